@@ -1,0 +1,208 @@
+"""The tuned-kernel store: one SQLite file, keyed so that a stale kernel can never be found.
+
+A key names everything that decides whether a tuned variant is still the right one: family,
+dtype, shape, GPU name and compute capability, CUDA (NVRTC) version, the digest of the
+family's template and of its search space. Params are stored as a JSON mapping of plain
+values; nothing in the file is ever executed, and params are re-checked against the search
+space before they are rendered again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import closing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from .errors import UserError
+
+SCHEMA_VERSION = 1
+APP_ID = "autosoft-cache"
+CACHE_FILE = "kernels.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    family TEXT NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL,
+    gpu_name TEXT NOT NULL, compute_capability TEXT NOT NULL, cuda_version TEXT NOT NULL,
+    template_digest TEXT NOT NULL, space_digest TEXT NOT NULL,
+    variant_name TEXT NOT NULL, params TEXT NOT NULL, source_digest TEXT NOT NULL,
+    time_us REAL NOT NULL, default_time_us REAL, copy_time_us REAL,
+    launches TEXT NOT NULL, autosoft_version TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (family, dtype, shape, gpu_name, compute_capability, cuda_version,
+                 template_digest, space_digest)
+);
+CREATE TABLE IF NOT EXISTS trials (
+    family TEXT NOT NULL, dtype TEXT NOT NULL, shape TEXT NOT NULL, gpu_name TEXT NOT NULL,
+    variant_name TEXT NOT NULL, params TEXT NOT NULL, status TEXT NOT NULL,
+    time_us REAL, message TEXT NOT NULL, created REAL NOT NULL
+);
+"""
+
+_KEY_FIELDS = ("family", "dtype", "shape", "gpu_name", "compute_capability", "cuda_version",
+               "template_digest", "space_digest")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    family: str
+    dtype: str
+    shape: str            # "4096x8192"
+    gpu_name: str
+    compute_capability: str
+    cuda_version: str
+    template_digest: str
+    space_digest: str
+
+    def same_except_shape(self, other: "CacheKey") -> bool:
+        mine, theirs = asdict(self), asdict(other)
+        mine.pop("shape"), theirs.pop("shape")
+        return mine == theirs
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: CacheKey
+    variant_name: str
+    params: Mapping[str, Any]
+    source_digest: str
+    time_us: float
+    default_time_us: float | None
+    copy_time_us: float | None
+    launches: str          # human-readable launch geometry, for export headers and `list`
+    autosoft_version: str
+    created: float
+
+
+def default_cache_path() -> Path:
+    """$AUTOSOFT_CACHE_DIR/kernels.sqlite, else the user cache directory."""
+    folder = os.environ.get("AUTOSOFT_CACHE_DIR")
+    if not folder:
+        import platformdirs
+
+        folder = platformdirs.user_cache_dir("autosoft")
+    return Path(folder).expanduser() / CACHE_FILE
+
+
+class Cache:
+    """A cache file. Opening validates it; a bad file raises UserError and is left untouched."""
+
+    def __init__(self, path: Path | str, create: bool = True):
+        self.path = Path(path).expanduser()
+        if self.path.exists():
+            if not self.path.is_file():
+                raise UserError(f"cache {self.path}: is not a file; pass --cache with a file path")
+            self._validate()
+        elif not create:
+            raise UserError(f"cache {self.path}: no such file")
+        else:
+            self._create()
+
+    # -- opening -----------------------------------------------------------------------
+    def _connect(self, readonly: bool = False) -> sqlite3.Connection:
+        if readonly:
+            uri = f"file:{self.path.resolve()}?mode=ro"
+            conn = sqlite3.connect(uri, uri=True, timeout=60)
+        else:
+            conn = sqlite3.connect(self.path, timeout=60)
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def _validate(self) -> None:
+        where = f"cache {self.path}"
+        try:
+            with closing(self._connect(readonly=True)) as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if "meta" not in tables:
+                    raise UserError(f"{where}: not an autosoft cache (no meta table); the file was left as it is")
+                meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+                if meta.get("app") != APP_ID:
+                    raise UserError(f"{where}: not an autosoft cache (app={meta.get('app')!r}); the file was left as it is")
+                version = int(meta.get("schema_version", "-1"))
+                if version > SCHEMA_VERSION:
+                    raise UserError(f"{where}: written by a newer autosoft (schema {version} > {SCHEMA_VERSION}); "
+                                    "upgrade autosoft or use another --cache")
+                if version != SCHEMA_VERSION or not {"entries", "trials"} <= tables:
+                    raise UserError(f"{where}: unsupported schema version {version}; use another --cache")
+                conn.execute("SELECT count(*) FROM entries").fetchone()
+                check = conn.execute("PRAGMA quick_check").fetchone()[0]
+                if check != "ok":
+                    raise UserError(f"{where}: corrupt ({check}); the file was left as it is")
+        except sqlite3.DatabaseError as exc:
+            raise UserError(f"{where}: unreadable ({exc}); the file was left as it is") from None
+
+    def _create(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with closing(self._connect()) as conn, conn:
+            conn.executescript(_SCHEMA)
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('app', ?)", (APP_ID,))
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+
+    # -- entries -----------------------------------------------------------------------
+    def put(self, entry: Entry) -> bool:
+        """Store entry unless a faster one with the same key is there. True when stored."""
+        row = {**asdict(entry.key), **_entry_fields(entry)}
+        cols = ", ".join(row)
+        marks = ", ".join(f":{c}" for c in row)
+        updates = ", ".join(f"{c}=excluded.{c}" for c in row if c not in _KEY_FIELDS)
+        sql = (f"INSERT INTO entries ({cols}) VALUES ({marks}) "
+               f"ON CONFLICT ({', '.join(_KEY_FIELDS)}) DO UPDATE SET {updates} "
+               "WHERE excluded.time_us < entries.time_us")
+        with closing(self._connect()) as conn, conn:
+            cur = conn.execute(sql, row)
+            return cur.rowcount > 0
+
+    def entries(self) -> list[Entry]:
+        with closing(self._connect(readonly=True)) as conn:
+            rows = conn.execute("SELECT * FROM entries ORDER BY family, dtype, shape").fetchall()
+        return [_entry_from_row(r, self.path) for r in rows]
+
+    def get(self, key: CacheKey) -> Entry | None:
+        where = " AND ".join(f"{f} = ?" for f in _KEY_FIELDS)
+        with closing(self._connect(readonly=True)) as conn:
+            row = conn.execute(f"SELECT * FROM entries WHERE {where}", tuple(asdict(key).values())).fetchone()
+        return _entry_from_row(row, self.path) if row else None
+
+    # -- trials (every evaluated variant, failures included) ----------------------------
+    def record_trials(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        with closing(self._connect()) as conn, conn:
+            conn.executemany(
+                "INSERT INTO trials VALUES (:family, :dtype, :shape, :gpu_name, :variant_name, :params, "
+                ":status, :time_us, :message, :created)",
+                [{**r, "params": json.dumps(r["params"], sort_keys=True), "created": time.time()} for r in rows])
+
+    def trials(self) -> Iterator[sqlite3.Row]:
+        with closing(self._connect(readonly=True)) as conn:
+            yield from conn.execute("SELECT * FROM trials ORDER BY created").fetchall()
+
+
+def _entry_fields(entry: Entry) -> dict[str, Any]:
+    return {
+        "variant_name": entry.variant_name,
+        "params": json.dumps(dict(entry.params), sort_keys=True),
+        "source_digest": entry.source_digest,
+        "time_us": float(entry.time_us),
+        "default_time_us": entry.default_time_us,
+        "copy_time_us": entry.copy_time_us,
+        "launches": entry.launches,
+        "autosoft_version": entry.autosoft_version,
+        "created": entry.created,
+    }
+
+
+def _entry_from_row(row: sqlite3.Row, path: Path) -> Entry:
+    try:
+        params = json.loads(row["params"])
+        if not isinstance(params, dict):
+            raise ValueError("params is not a mapping")
+        key = CacheKey(**{f: str(row[f]) for f in _KEY_FIELDS})
+        return Entry(key, str(row["variant_name"]), params, str(row["source_digest"]), float(row["time_us"]),
+                     row["default_time_us"], row["copy_time_us"], str(row["launches"]),
+                     str(row["autosoft_version"]), float(row["created"]))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"cache {path}: malformed entry for {row['shape']!r}: {exc}") from None

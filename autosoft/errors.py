@@ -1,0 +1,10 @@
+"""Errors a user can cause. The CLI prints their message on one line and exits 2."""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input or environment: the message says what is wrong and what to do."""
+
+
+class NoDeviceError(UserError):
+    """No usable CUDA device (or CuPy is missing)."""

@@ -1,0 +1,112 @@
+"""Verify, then time, one compiled variant on the GPU. Every evaluation ends in an Outcome."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from .families import get_family
+from .families.base import Variant
+from .runtime import LoadedVariant, cupy_module
+from .timing import Timing, rotation_count, time_gpu
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    INVALID = "invalid"            # a constraint of the search space rejects it
+    COMPILE_FAIL = "compile_fail"
+    LAUNCH_FAIL = "launch_fail"    # loading or launching failed, or the kernel faulted
+    TIMEOUT = "timeout"
+    WRONG = "wrong"                # ran, but the output is not the softmax of the input
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: Status
+    time_us: float | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+_POISON_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}  # quiet NaN
+
+
+def storage_dtype(dtype: str) -> str:
+    """How a dtype is held in a CuPy array (CuPy has no bfloat16: its bits ride in uint16)."""
+    return "uint16" if dtype == "bfloat16" else dtype
+
+
+def poisoned(shape: tuple[int, ...], dtype: str, xp: Any) -> Any:
+    """An output buffer full of NaN, so an element the kernel never writes fails the check."""
+    bits = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}[dtype]
+    return xp.full(shape, _POISON_BITS[dtype], dtype=bits).view(storage_dtype(dtype))
+
+
+def allocate_outputs(variant: Variant, xp: Any) -> dict[str, Any]:
+    family = get_family(variant.family)
+    return {name: poisoned(shape, dtype, xp) for name, (shape, dtype) in family.output_specs(variant.problem).items()}
+
+
+def verify(loaded: LoadedVariant, seed: int) -> str | None:
+    """Run on fresh random inputs of every kind; None when all match the reference, else why not."""
+    cp = cupy_module()
+    variant = loaded.variant
+    family = get_family(variant.family)
+    rng = cp.random.default_rng(seed)
+    for kind in family.input_kinds:
+        inputs = family.make_inputs(variant.problem, kind, cp, rng)
+        outputs = allocate_outputs(variant, cp)
+        loaded.launch({**inputs, **outputs})
+        cp.cuda.runtime.deviceSynchronize()
+        problem = family.check(variant.problem, inputs, outputs, cp)
+        if problem:
+            return f"{kind} inputs: {problem}"
+    return None
+
+
+def time_variant(loaded: LoadedVariant, reps: int = 40) -> Timing:
+    """Median kernel time over rotated input sets (each set read cold from device memory)."""
+    cp = cupy_module()
+    variant = loaded.variant
+    family = get_family(variant.family)
+    from .runtime import device_info
+
+    n_sets = rotation_count(family.bytes_moved(variant.problem), device_info().target.l2_bytes)
+    rng = cp.random.default_rng(12345)
+    sets = []
+    for _ in range(n_sets):
+        inputs = family.make_inputs(variant.problem, "normal", cp, rng)
+        sets.append({**inputs, **allocate_outputs(variant, cp)})
+    return time_gpu(lambda i: loaded.launch(sets[i]), n_sets, reps)
+
+
+def evaluate(variant: Variant, cubin: bytes, seed: int = 0, reps: int = 40) -> Outcome:
+    """Load, verify, time. A failure at any step becomes the Outcome, never an exception."""
+    cp = cupy_module()
+    try:
+        loaded = LoadedVariant(variant, cubin)
+    except Exception as exc:  # noqa: BLE001 - any driver error is this variant's failure
+        return Outcome(Status.LAUNCH_FAIL, message=f"load: {_one_line(exc)}")
+    try:
+        wrong = verify(loaded, seed)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
+    except cp.cuda.driver.CUDADriverError as exc:
+        return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
+    if wrong:
+        return Outcome(Status.WRONG, message=wrong)
+    timing = time_variant(loaded, reps)
+    return Outcome(Status.OK, time_us=timing.median_us)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def outcome_from_record(record: Mapping[str, Any]) -> Outcome:
+    return Outcome(Status(record["status"]), record.get("time_us"), record.get("message", ""))

@@ -1,0 +1,214 @@
+"""Softmax over the last dimension of an (M, N) array: fp32, fp16 and bf16 in, fp32 arithmetic."""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import UserError
+from ..space import ParamValue
+from .base import ITEMSIZE, Launch, Problem, Target, build_variant, check_dtype, space_of
+
+_SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+_VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}
+INT32_MAX = 2**31 - 1
+
+# Tolerance per output dtype: |y - ref| <= rtol*|ref| + row_atol*max(ref in row) + abs_atol.
+# fp16/bf16 are dominated by the rounding of the output (half an ulp: 2^-11, 2^-8).
+TOLERANCE = {
+    "float32": (1e-4, 1e-6, 1e-37),
+    "float16": (1.5e-3, 1e-4, 6e-8),   # 6e-8: one fp16 subnormal step
+    "bfloat16": (8e-3, 1e-4, 1e-37),
+}
+
+
+class SoftmaxFamily:
+    name = "softmax"
+    template = "softmax/softmax.cu.j2"
+    inputs = ("x",)
+    outputs = ("y",)
+    input_kinds = ("normal", "normal_x100", "neg_inf", "equal_rows")
+
+    def parse_shape(self, text: str) -> tuple[int, int]:
+        match = _SHAPE.match(str(text))
+        if not match:
+            raise UserError(f"malformed --shape {text!r}: softmax wants MxN with positive integers, e.g. 4096x8192")
+        m, n = int(match.group(1)), int(match.group(2))
+        return self.check_shape((m, n), text)
+
+    def check_shape(self, shape: tuple[int, ...], text: Any = None) -> tuple[int, int]:
+        text = text if text is not None else "x".join(map(str, shape))
+        if len(shape) != 2 or min(shape) < 1:
+            raise UserError(f"malformed --shape {text!r}: M and N must be at least 1, e.g. 4096x8192")
+        if shape[1] > INT32_MAX // 8:
+            raise UserError(f"shape {text!r}: rows longer than {INT32_MAX // 8} elements are not supported")
+        return (int(shape[0]), int(shape[1]))
+
+    def problem(self, shape_text: str, dtype: str) -> Problem:
+        return Problem(self.name, check_dtype(dtype), self.parse_shape(shape_text))
+
+    def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
+        m, n = problem.shape
+        # 4 KiB stays free for the static reduction scratch
+        return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "smem_limit": target.smem_optin - 4096}
+
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        p = params
+        name = (f"softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
+                f"_u{p['unroll']}_{p['storage']}_{p['normalise']}_{p['reduce']}")
+        if p["split"] != 1:
+            name += f"_split{p['split']}"
+        if p["persistent"]:
+            name += "_persistent"
+        if p["streaming"]:
+            name += "_cs"
+        return name
+
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {**values, "dtype": problem.dtype, "vec_bits_type": _VEC_BITS_TYPE[values["vec_bytes"]]}
+
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        m = problem.shape[0]
+        threads, split = values["threads"], values["split"]
+        block = (threads, 1, 1)
+        if split > 1:
+            grid = (m * split, 1, 1)
+            partial = Launch("softmax_partials", grid, block, 0, ("x", "workspace", np.int64(m)))
+            finish = Launch("softmax_finish", grid, block, 0, ("x", "y", "workspace", np.int64(m)))
+            return (partial, finish), m * split * 8
+        blocks = -(-m // values["rows_per_block"])
+        if values["persistent"]:
+            blocks = min(blocks, target.sm_count * _blocks_per_sm(threads, values["smem_bytes"], target))
+        if blocks > INT32_MAX:
+            raise UserError(f"{problem.shape_text}: too many rows for one launch; use a persistent variant")
+        return (Launch("softmax_rows", (blocks, 1, 1), block, values["smem_bytes"], ("x", "y", np.int64(m))),), 0
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
+        """A sensible variant without tuning: 16-byte accesses, enough threads, row kept on chip."""
+        m, n = problem.shape
+        itemsize = ITEMSIZE[problem.dtype]
+        vec = min(16 // itemsize, _pow2_floor(n))
+        vectors = -(-n // vec)
+        p: dict[str, ParamValue] = {
+            "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
+            "normalise": "three_pass", "reduce": "shuffle", "split": 1, "persistent": False,
+            "streaming": False,
+        }
+        if vectors <= 32:
+            p["row_threads"] = max(vec, _pow2_ceil(vectors))
+        else:  # about four vectors per thread: all loads in flight, row held in registers
+            p["row_threads"] = min(1024, max(32, _pow2_ceil(-(-vectors // 4))))
+            p["threads"] = max(128, p["row_threads"])
+        if m * 2 < target.sm_count and n >= 65536:
+            # few wide rows: enough blocks per row to fill the GPU, ~2 vectors per thread each
+            split = min(_pow2_floor(max(1, 2 * target.sm_count // m)), _pow2_floor(max(1, n // (vec * 2048))))
+            p.update(threads=1024, row_threads=1024, split=split, storage="reread", normalise="online", unroll=2)
+        elif -(-vectors // p["row_threads"]) * vec > 32:
+            p.update(storage="reread", normalise="online", unroll=2)
+        return self._first_valid(problem, target, p)
+
+    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
+        """Neighbours of the default that are often better: the tuner tries these first."""
+        base = self.default_params(problem, target)
+        seeds = []
+        for change in ({"storage": "smem", "normalise": "online", "unroll": 2},
+                       {"persistent": True}, {"streaming": True},
+                       {"row_threads": max(1, int(base["row_threads"]) // 2)},
+                       {"row_threads": min(1024, int(base["row_threads"]) * 2),
+                        "threads": max(int(base["threads"]), min(1024, int(base["row_threads"]) * 2))}):
+            candidate = {**base, **change}
+            if self.is_valid(problem, target, candidate):
+                seeds.append(candidate)
+        return seeds
+
+    def is_valid(self, problem: Problem, target: Target, params: Mapping[str, ParamValue]) -> bool:
+        space = space_of(self)
+        return not space.violations(space.check_values(params), self.problem_values(problem, target))
+
+    def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
+        # Walk towards the plainest variant until every constraint holds; the last step always does.
+        fallbacks = ({}, {"unroll": 1}, {"storage": "reread", "normalise": "online", "unroll": 1},
+                     {"split": 1, "threads": 128, "row_threads": 32},
+                     {"vec": 1, "threads": 32, "row_threads": 1})
+        for change in fallbacks:
+            p = {**p, **change}
+            if self.is_valid(problem, target, p):
+                return p
+        raise AssertionError(f"no valid default softmax variant for {problem}")  # the last step is valid for any N
+
+    def bytes_moved(self, problem: Problem) -> int:
+        m, n = problem.shape
+        return 2 * m * n * ITEMSIZE[problem.dtype]
+
+    def flops(self, problem: Problem) -> float:
+        return 0.0
+
+    def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {"y": (problem.shape, problem.dtype)}
+
+    # --- verification (runs on the GPU through CuPy; xp is the cupy module) ---------------
+
+    def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
+        m, n = problem.shape
+        x = rng.standard_normal((m, n), dtype=np.float32)
+        if kind == "normal_x100":
+            x *= 100
+        elif kind == "neg_inf":
+            x[rng.random((m, n)) < 0.2] = -np.inf
+            x[xp.arange(m), xp.arange(m) % n] = 1.0  # every row keeps one finite entry
+        elif kind == "equal_rows":
+            x[::3] = 3.25
+        return {"x": to_storage(x, problem.dtype, xp)}
+
+    def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
+        x = to_float64(inputs["x"], problem.dtype, xp)
+        ref = xp.exp(x - x.max(axis=1, keepdims=True))
+        ref /= ref.sum(axis=1, keepdims=True)
+        y = to_float64(outputs["y"], problem.dtype, xp)
+        rtol, row_atol, abs_atol = TOLERANCE[problem.dtype]
+        tol = rtol * xp.abs(ref) + row_atol * ref.max(axis=1, keepdims=True) + abs_atol
+        err = xp.abs(y - ref)
+        bad = ~(err <= tol)  # NaN (an unwritten, poisoned element) counts as bad
+        nbad = int(bad.sum())
+        if nbad == 0:
+            return None
+        flat = int(xp.argmax(xp.where(bad, xp.nan_to_num(err, nan=xp.inf), -1.0)))
+        r, c = divmod(flat, problem.shape[1])
+        return (f"{nbad} of {y.size} elements off; worst at [{r}, {c}]: got {float(y[r, c])!r}, "
+                f"expected {float(ref[r, c])!r}")
+
+
+def to_storage(x32: Any, dtype: str, xp: Any) -> Any:
+    """fp32 values -> the array the kernel reads (bf16 as uint16 bits, rounded to nearest even)."""
+    if dtype == "float32":
+        return x32
+    if dtype == "float16":
+        return x32.astype(np.float16)
+    u = x32.view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def to_float64(a: Any, dtype: str, xp: Any) -> Any:
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def _blocks_per_sm(threads: int, smem: int, target: Target) -> int:
+    by_threads = max(1, 2048 // threads)
+    by_smem = max(1, (target.smem_optin + 1024) // (smem + 1024 + 4096)) if smem else by_threads
+    return max(1, min(by_threads, by_smem, 32))
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+SOFTMAX = SoftmaxFamily()
+

@@ -1,0 +1,84 @@
+"""GPU timing shared by the tuner and the benchmarks: one method for every contender.
+
+Each repetition is bracketed by CUDA events on the null stream. A spin kernel is queued first
+so that all repetitions are enqueued before the GPU reaches them: the events then measure GPU
+time only, not Python's launch overhead. Inputs rotate over enough buffer sets that each run
+reads data last touched more than two L2 sizes ago, so no shape is timed from cache.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+from .runtime import cupy_module
+
+_SPIN_SOURCE = r"""
+extern "C" __global__ void autosoft_spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) { }
+}
+"""
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    min_us: float
+    samples: int
+
+    def gbps(self, nbytes: int) -> float:
+        return nbytes / (self.median_us * 1e-6) / 1e9
+
+
+def rotation_count(bytes_per_set: int, l2_bytes: int, max_bytes: int = 4 << 30) -> int:
+    """How many input/output sets to cycle through so each run starts with a cold L2."""
+    want = max(2, -(-3 * l2_bytes // max(1, bytes_per_set)))
+    return int(max(1, min(want, max_bytes // max(1, bytes_per_set), 256)))
+
+
+@lru_cache(maxsize=1)
+def _spin_kernel() -> Any:
+    return cupy_module().RawKernel(_SPIN_SOURCE, "autosoft_spin")
+
+
+def _block_gpu(cycles: int) -> None:
+    import numpy as np
+
+    _spin_kernel()((1,), (1,), (np.int64(cycles),))
+
+
+def time_gpu(run: Callable[[int], None], n_sets: int, reps: int = 40, warmup: int = 3) -> Timing:
+    """Median GPU time of run(i % n_sets) over `reps` repetitions, in microseconds."""
+    cp = cupy_module()
+    for i in range(warmup):
+        run(i % n_sets)
+    cp.cuda.runtime.deviceSynchronize()
+    starts = [cp.cuda.Event() for _ in range(reps)]
+    ends = [cp.cuda.Event() for _ in range(reps)]
+    # ~20 ms at 2 GHz: longer than enqueueing the repetitions from Python
+    _block_gpu(40_000_000)
+    for i in range(reps):
+        starts[i].record()
+        run((warmup + i) % n_sets)
+        ends[i].record()
+    ends[-1].synchronize()
+    samples = [cp.cuda.get_elapsed_time(s, e) * 1000.0 for s, e in zip(starts, ends)]
+    return Timing(statistics.median(samples), min(samples), len(samples))
+
+
+def time_copy(nbytes_each_way: int, l2_bytes: int, reps: int = 40) -> Timing:
+    """A device-to-device copy of nbytes (read nbytes + write nbytes): the limit for a memory-bound kernel."""
+    cp = cupy_module()
+    n_sets = rotation_count(2 * nbytes_each_way, l2_bytes)
+    src = [cp.empty(nbytes_each_way, dtype=cp.uint8) for _ in range(n_sets)]
+    dst = [cp.empty(nbytes_each_way, dtype=cp.uint8) for _ in range(n_sets)]
+    for s in src:
+        s.fill(7)  # never time on memory nothing wrote
+
+    def run(i: int) -> None:
+        cp.cuda.runtime.memcpyAsync(dst[i].data.ptr, src[i].data.ptr, nbytes_each_way,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, 0)
+
+    return time_gpu(run, n_sets, reps)

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import shutil
+from functools import lru_cache
+
+import pytest
+
+
+@lru_cache(maxsize=1)
+def gpu_available() -> bool:
+    try:
+        from autosoft.runtime import cupy_module
+
+        cupy_module()
+        return True
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty AUTOSOFT_CACHE_DIR for the test: nothing touches the user's cache."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(folder))
+    return folder
+
+
+def has_nvcc() -> bool:
+    return shutil.which("nvcc") is not None

@@ -1,0 +1,119 @@
+"""GPU tier: softmax variants, the tuner and the Python API on a real device."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from autosoft.cache import Cache
+from autosoft.compile import compile_source
+from autosoft.evaluate import Status, evaluate, verify
+from autosoft.families import get_family
+from autosoft.families.base import Problem, build_variant, space_of
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 1), (5, 3), (1, 1000), (7, 1025), (33, 50257), (1, 8192), (4096, 128), (300, 4000),
+          (16, 131072), (2, 1048576), (65536, 64), (1000, 77)]
+
+
+def _device():
+    from autosoft.runtime import device_info
+
+    return device_info()
+
+
+def _sample(problem: Problem, k: int, seed: int) -> list[dict]:
+    family = get_family("softmax")
+    target = _device().target
+    valid = space_of(family).valid_points(family.problem_values(problem, target))
+    rng = random.Random(seed)
+    picks = [family.default_params(problem, target), *family.seed_params(problem, target)]
+    picks += rng.sample(valid, min(k, len(valid)))
+    return picks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_sampled_variants_are_correct(shape, dtype):
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    problem = Problem("softmax", dtype, shape)
+    failures = []
+    for params in _sample(problem, 6, seed=hash((shape, dtype)) & 0xFFFF):
+        variant = build_variant(family, problem, params, _device().target)
+        result = compile_source(variant.source, variant.target.arch)
+        assert result.ok, result.log
+        wrong = verify(LoadedVariant(variant, result.cubin), seed=7)
+        if wrong:
+            failures.append(f"{variant.name}: {wrong}")
+    assert not failures, "\n".join(failures)
+
+
+def test_misaligned_rows_and_base_pointer():
+    """Rows of odd length start at odd addresses; the base pointer itself may be off 16 bytes."""
+    import cupy as cp
+
+    import autosoft
+
+    x = cp.random.standard_normal((37, 1031 * 3 + 1), dtype=cp.float32).astype(cp.float16)
+    view = x.ravel()[1:1 + 37 * 1031].reshape(37, 1031)  # base 2 bytes past an aligned address
+    assert view.data.ptr % 16 != 0
+    y = autosoft.softmax(view)
+    ref = cp.exp(view.astype(cp.float64) - view.astype(cp.float64).max(axis=1, keepdims=True))
+    ref /= ref.sum(axis=1, keepdims=True)
+    assert float(cp.abs(y.astype(cp.float64) - ref).max()) < 2e-3
+
+
+def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
+    from autosoft.tune import tune
+
+    family = get_family("softmax")
+    problem = family.problem("2048x4096", "float16")
+    cache = Cache(cache_dir / "k.sqlite")
+    report = tune("softmax", problem, 30, cache, seed=3)
+    assert report.best is not None and report.best.outcome.status is Status.OK
+    assert report.default.outcome.ok
+    assert report.best.outcome.time_us <= report.default.outcome.time_us
+    assert len(report.trials) == 30
+    (entry,) = cache.entries()
+    assert entry.variant_name == report.best.variant.name
+    # the stored variant re-verifies on fresh inputs
+    variant = build_variant(family, problem, entry.params, _device().target)
+    outcome = evaluate(variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
+    assert outcome.ok, outcome.message
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(4, 1), (3, 5, 1000), (128, 1025), (2, 50257)])
+def test_api_matches_torch(shape, dtype, cache_dir):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    autosoft.api.DISPATCHER.forget()
+    tdtype = getattr(torch, dtype)
+    x = (torch.randn(shape, device="cuda") * 4).to(tdtype)
+    y = autosoft.softmax(x)
+    assert isinstance(y, torch.Tensor) and y.dtype == x.dtype and y.shape == x.shape
+    ref = torch.softmax(x.float(), dim=-1)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
+
+
+def test_api_special_values_follow_torch(cache_dir):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    x = torch.randn(6, 300, device="cuda")
+    x[0] = float("-inf")           # all -inf: torch gives NaN
+    x[1, 5] = float("inf")         # +inf: NaN row
+    x[2, 7] = float("nan")         # NaN: NaN row
+    x[3, ::2] = float("-inf")      # some -inf: zeros there
+    x[4] = 1e30                    # huge equal values: uniform
+    y = autosoft.softmax(x)
+    ref = torch.softmax(x, dim=-1)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    torch.testing.assert_close(y[finite], ref[finite], atol=1e-6, rtol=1e-5)
