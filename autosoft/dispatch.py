@@ -35,7 +35,7 @@ class Dispatcher:
     """In-memory caches behind the public API: entries read from cache files, loaded variants."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _prepare reads entries() while holding it
         self._extra_files: list[Path] = []
         self._entries: list[Entry] | None = None
         self._loaded: dict[tuple, LoadedVariant] = {}

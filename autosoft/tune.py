@@ -89,8 +89,9 @@ def tune(family_name: str, problem: Problem, trials: int, cache: Cache, *, seed:
 
         refill()
         while in_flight:
-            variant, future = in_flight.pop(0)
+            variant, future = in_flight[0]
             refill()  # keep the compilers busy while the GPU works
+            in_flight.pop(0)
             result = future.result()
             if not result.ok:
                 outcome = Outcome(Status.COMPILE_FAIL, message=result.log.strip().splitlines()[0] if result.log else "")

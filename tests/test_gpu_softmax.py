@@ -42,7 +42,7 @@ def test_sampled_variants_are_correct(shape, dtype):
     family = get_family("softmax")
     problem = Problem("softmax", dtype, shape)
     failures = []
-    for params in _sample(problem, 6, seed=hash((shape, dtype)) & 0xFFFF):
+    for params in _sample(problem, 6, seed=shape[0] * 7919 + shape[1] + len(dtype)):
         variant = build_variant(family, problem, params, _device().target)
         result = compile_source(variant.source, variant.target.arch)
         assert result.ok, result.log
