@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("family", help=f"kernel family: {', '.join(sorted(FAMILIES))}")
         p.add_argument("--shape", required=True, help="problem shape, e.g. 4096x8192 (softmax: MxN)")
         p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)} (default float32)")
+        p.add_argument("--causal", action="store_true", help="causal masking (attention only)")
 
     def cache_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--cache", type=Path, default=None,
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _problem(args: argparse.Namespace):
     family = get_family(args.family)
-    return family, family.problem(args.shape, args.dtype)
+    return family, family.problem(args.shape, args.dtype, ("causal",) if args.causal else ())
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

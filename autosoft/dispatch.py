@@ -80,6 +80,8 @@ class Dispatcher:
             best = min(exact, key=lambda e: e.time_us)
             return Choice(build_variant(family, problem, best.params, target), "tuned")
         for entry in sorted(candidates, key=lambda e: _shape_distance(e.key, key)):
+            if _shape_distance(entry.key, key) == math.inf:
+                continue
             try:
                 variant = build_variant(family, problem, entry.params, target)
             except UserError:
@@ -157,9 +159,10 @@ def find_entry(cache: Cache | None, problem: Problem, path: Path) -> tuple[Entry
 
 def _shape_distance(a: CacheKey, b: CacheKey) -> float:
     """Distance between shapes in log space; the row length weighs more than the row count."""
-    sa = [int(s) for s in a.shape.split("x")]
-    sb = [int(s) for s in b.shape.split("x")]
-    if len(sa) != len(sb):
+    (dims_a, _, flags_a), (dims_b, _, flags_b) = a.shape.partition("+"), b.shape.partition("+")
+    sa = [int(s) for s in dims_a.split("x")]
+    sb = [int(s) for s in dims_b.split("x")]
+    if len(sa) != len(sb) or flags_a != flags_b:
         return math.inf
     weights = [1.0] * (len(sa) - 1) + [4.0]
     return sum(w * abs(math.log2(x) - math.log2(y)) for w, x, y in zip(weights, sa, sb))

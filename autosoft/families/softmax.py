@@ -46,7 +46,9 @@ class SoftmaxFamily:
             raise UserError(f"shape {text!r}: rows longer than {INT32_MAX // 8} elements are not supported")
         return (int(shape[0]), int(shape[1]))
 
-    def problem(self, shape_text: str, dtype: str) -> Problem:
+    def problem(self, shape_text: str, dtype: str, flags: tuple[str, ...] = ()) -> Problem:
+        if flags:
+            raise UserError(f"softmax takes no {', '.join('--' + f for f in flags)} option")
         return Problem(self.name, check_dtype(dtype), self.parse_shape(shape_text))
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
