@@ -6,6 +6,7 @@ from .base import Family
 from .softmax import SOFTMAX
 
 FAMILIES: dict[str, Family] = {SOFTMAX.name: SOFTMAX}
+from .attention import ATTENTION; FAMILIES[ATTENTION.name] = ATTENTION  # noqa: E402,E702
 
 
 def get_family(name: str) -> Family:

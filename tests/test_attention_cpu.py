@@ -1,0 +1,284 @@
+"""CPU tier for the attention family: shapes, search space, rendering, NVRTC and nvcc builds, the checker."""
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autosoft.compile import compile_source
+from autosoft.errors import UserError
+from autosoft.families import get_family
+from autosoft.families.attention import reference
+from autosoft.families.base import Target, build_variant, space_of
+
+FAMILY = get_family("attention")
+ARCHS = ("90", "80")
+
+# (shape text, dtype, flags): head dims, tails, tiny and long sequences, causal or not
+PROBLEMS = [
+    ("1,32,8192,64", "bfloat16", ()),
+    ("4,16,4096,128", "float16", ("causal",)),
+    ("2,3,1000,128", "bfloat16", ()),
+    ("1,2,17,64", "float16", ("causal",)),
+    ("1,1,1,32", "bfloat16", ()),
+    ("2,2,3333,32", "float16", ("causal",)),
+]
+
+
+def _values(problem, arch="90"):
+    return FAMILY.problem_values(problem, Target.for_arch(arch))
+
+
+def _sample(problem, arch: str, k: int, seed: int) -> list[dict]:
+    """The default, its seeds and k valid points drawn with a fixed seed."""
+    target = Target.for_arch(arch)
+    valid = space_of(FAMILY).valid_points(_values(problem, arch))
+    picks = [FAMILY.default_params(problem, target), *FAMILY.seed_params(problem, target)]
+    picks += random.Random(seed).sample(valid, min(k, len(valid)))
+    unique = []
+    for p in picks:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+# --- shapes and problems ----------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["1,32,8192,64", "1x32x8192x64", " 1 , 32 ,8192, 64 ", "1X32X8192X64"])
+def test_shape_forms(text):
+    assert FAMILY.parse_shape(text) == (1, 32, 8192, 64)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("1,32,8192", "B,H,N,D"),
+    ("1,32,8192,64,1", "B,H,N,D"),
+    ("a,b,c,d", "B,H,N,D"),
+    ("1,32,-5,64", "B,H,N,D"),
+    ("0,32,8192,64", "at least 1"),
+    ("1,32,8192,80", "head dim"),
+    ("1,32,8192,256", "head dim"),
+    ("70000,1,16,64", "at most 65535"),
+])
+def test_bad_shapes_say_what_to_do(text, needle):
+    with pytest.raises(UserError, match=needle):
+        FAMILY.parse_shape(text)
+
+
+def test_problem_dtypes_and_flags():
+    p = FAMILY.problem("1x2x3x64", "bfloat16", ("causal",))
+    assert p.flags == ("causal",) and p.shape == (1, 2, 3, 64) and p.family == "attention"
+    assert p.shape_text == "1x2x3x64+causal"
+    assert FAMILY.problem("1,2,3,64", "float16").flags == ()
+    with pytest.raises(UserError, match="float16 or bfloat16"):
+        FAMILY.problem("1,2,3,64", "float32")
+    with pytest.raises(UserError, match="unknown dtype"):
+        FAMILY.problem("1,2,3,64", "int8")
+    with pytest.raises(UserError, match="--window"):
+        FAMILY.problem("1,2,3,64", "float16", ("window",))
+
+
+def test_costs_and_outputs():
+    p = FAMILY.problem("2,3,100,64", "float16")
+    pc = FAMILY.problem("2,3,100,64", "float16", ("causal",))
+    assert FAMILY.flops(p) == 4 * 2 * 3 * 100 * 100 * 64
+    assert FAMILY.flops(pc) == FAMILY.flops(p) / 2
+    assert FAMILY.bytes_moved(p) == 4 * 2 * 3 * 100 * 64 * 2 + 4 * 2 * 3 * 100
+    assert FAMILY.output_specs(p) == {"o": ((2, 3, 100, 64), "float16"), "lse": ((2, 3, 100), "float32")}
+
+
+# --- search space -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape, dtype, flags", PROBLEMS)
+def test_space_defaults_and_constraints(shape, dtype, flags, arch):
+    problem = FAMILY.problem(shape, dtype, flags)
+    target = Target.for_arch(arch)
+    space = space_of(FAMILY)
+    valid = space.valid_points(_values(problem, arch))
+    assert valid, "every problem has a valid variant"
+    default = FAMILY.default_params(problem, target)
+    assert default in valid
+    for seed in FAMILY.seed_params(problem, target):
+        assert seed in valid and seed != default
+    n = problem.shape[2]
+    for p in valid:
+        v = space.evaluate(p, _values(problem, arch))
+        assert v["block_m"] in (16 * v["warps"], 32 * v["warps"])
+        assert v["smem_bytes"] <= target.smem_optin
+        assert v["stages"] == 1 or v["stages"] <= math.ceil(n / v["block_n"])
+
+
+def test_tiny_sequence_gets_the_smallest_tiles():
+    problem = FAMILY.problem("1,1,1,64", "float16")
+    valid = space_of(FAMILY).valid_points(_values(problem))
+    assert {(p["block_m"], p["block_n"], p["stages"]) for p in valid} == {(64, 32, 1)}
+
+
+def test_shared_memory_limit_prunes_sm80_less_than_sm90():
+    problem = FAMILY.problem("1,8,4096,128", "float16")
+    n90 = len(space_of(FAMILY).valid_points(_values(problem, "90")))
+    small = FAMILY.problem_values(problem, Target.for_arch("86"))  # 99 KiB per block
+    n86 = len(space_of(FAMILY).valid_points(small))
+    assert 0 < n86 < n90
+
+
+def test_invalid_params_are_refused():
+    problem = FAMILY.problem("1,2,1000,64", "float16")
+    target = Target.for_arch("90")
+    good = FAMILY.default_params(problem, target)
+    with pytest.raises(UserError, match="block_m"):
+        build_variant(FAMILY, problem, {**good, "block_m": 96}, target)
+    with pytest.raises(UserError, match="mma tile"):
+        build_variant(FAMILY, problem, {**good, "block_m": 64, "warps": 8}, target)
+    with pytest.raises(UserError, match="not allowed"):
+        build_variant(FAMILY, problem, {**good, "layout": "x; system()"}, target)
+
+
+def test_variant_name_and_launch():
+    problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
+    params = {"block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers"}
+    v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
+    assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
+    (launch,) = v.launches
+    assert launch.grid == (8, 16, 2) and launch.block == (256, 1, 1)
+    assert launch.shared_mem == (128 + 2 * 2 * 64) * 128 * 2
+    assert launch.args == ("q", "k", "v", "o", "lse", "scale")
+
+
+# --- rendering and compiling ------------------------------------------------------------
+
+def test_rendered_source_uses_tensor_core_ptx():
+    problem = FAMILY.problem("1,32,8192,64", "bfloat16")
+    src = build_variant(FAMILY, problem, FAMILY.default_params(problem, Target.for_arch("90")),
+                        Target.for_arch("90")).source
+    for needle in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                   "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
+                   "cp.async.commit_group", "cp.async.wait_group", "__shfl_xor_sync", "exp2f"):
+        assert needle in src, needle
+    assert "#include" not in src
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape, dtype, flags", PROBLEMS)
+def test_sampled_variants_compile_with_nvrtc(shape, dtype, flags, arch):
+    problem = FAMILY.problem(shape, dtype, flags)
+    target = Target.for_arch(arch)
+    failures = []
+    for params in _sample(problem, arch, 3, seed=len(shape) * 31 + int(arch)):
+        variant = build_variant(FAMILY, problem, params, target)
+        result = compile_source(variant.source, arch)
+        if not result.ok:
+            failures.append(f"{variant.name}: {result.log[:2000]}")
+    assert not failures, "\n".join(failures)
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    nvcc = shutil.which("nvcc")
+    for folder in ([Path(nvcc).resolve().parent] if nvcc else []) + [Path("/usr/local/cuda/bin")]:
+        if (folder / name).exists():
+            return str(folder / name)
+    return None
+
+
+def _nvcc_cubin(tmp_path: Path, source: str, arch: str) -> Path:
+    src = tmp_path / "attention.cu"
+    src.write_text(source)
+    out = tmp_path / "attention.cubin"
+    proc = subprocess.run([_tool("nvcc"), "-cubin", f"-arch=sm_{arch}", "-std=c++17", "--use_fast_math",
+                           "-o", str(out), str(src)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.mark.skipif(_tool("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("shape, dtype, flags", PROBLEMS[:3])
+def test_default_variant_builds_with_nvcc(tmp_path, shape, dtype, flags):
+    problem = FAMILY.problem(shape, dtype, flags)
+    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, Target.for_arch("90")),
+                            Target.for_arch("90"))
+    src = tmp_path / "attention.cu"
+    src.write_text(variant.source)
+    proc = subprocess.run([_tool("nvcc"), "-c", "-arch=sm_90", "-std=c++17", "-o", str(tmp_path / "a.o"), str(src)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(_tool("nvcc") is None or _tool("cuobjdump") is None or _tool("nvdisasm") is None,
+                    reason="nvcc, cuobjdump or nvdisasm not installed")
+@pytest.mark.parametrize("layout", ["swizzle", "pad"])
+def test_sass_has_tensor_core_and_ldmatrix_instructions(tmp_path, layout):
+    problem = FAMILY.problem("1,8,1000,128", "float16", ("causal",))
+    target = Target.for_arch("90")
+    params = {**FAMILY.default_params(problem, target), "layout": layout}
+    cubin = _nvcc_cubin(tmp_path, build_variant(FAMILY, problem, params, target).source, "90")
+    proc = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    sass = proc.stdout
+    for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS", "MUFU.EX2", "SHFL.BFLY"):
+        assert op in sass, op
+
+
+# --- the checker and the reference (NumPy stands in for CuPy) ----------------------------
+
+def _naive(q, k, v, scale, causal):
+    s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if causal:
+        n = q.shape[2]
+        s[..., np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    return np.einsum("bhij,bhjd->bhid", p, v) / p.sum(-1, keepdims=True), (m + np.log(p.sum(-1, keepdims=True)))[..., 0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_reference_matches_naive_and_checker_accepts_it(monkeypatch, causal, dtype):
+    import autosoft.families.attention as attention
+    from autosoft.families.softmax import to_float64, to_storage
+
+    monkeypatch.setattr(attention, "_REF_BYTES", 8 * 37 * 5)  # force several row and head chunks
+    problem = FAMILY.problem("2,3,37,32", dtype, ("causal",) if causal else ())
+    rng = np.random.default_rng(0)
+    for kind in FAMILY.input_kinds:
+        inputs = FAMILY.make_inputs(problem, kind, np, rng)
+        assert inputs["scale"] == np.float32(1 / math.sqrt(32)) and isinstance(inputs["scale"], np.float32)
+        q, k, v = (to_float64(inputs[n], dtype, np) for n in "qkv")
+        ref_o, ref_lse = reference(problem, inputs, np)
+        naive_o, naive_lse = _naive(q, k, v, float(inputs["scale"]), causal)
+        np.testing.assert_allclose(ref_o, naive_o, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(ref_lse, naive_lse, rtol=1e-10, atol=1e-12)
+        outputs = {"o": to_storage(ref_o.astype(np.float32), dtype, np), "lse": ref_lse.astype(np.float32)}
+        assert FAMILY.check(problem, inputs, outputs, np) is None, kind
+
+
+def test_checker_catches_nan_wrong_rows_and_wrong_lse():
+    from autosoft.families.softmax import to_storage
+
+    problem = FAMILY.problem("1,2,300,64", "float16")
+    inputs = FAMILY.make_inputs(problem, "normal", np, np.random.default_rng(1))
+    ref_o, ref_lse = reference(problem, inputs, np)
+
+    def outputs():
+        return {"o": to_storage(ref_o.astype(np.float32), "float16", np), "lse": ref_lse.astype(np.float32)}
+
+    out = outputs()
+    out["o"][0, 1, 299, 5] = np.nan  # the last row left unwritten
+    assert "NaN" in FAMILY.check(problem, inputs, out, np)
+    out = outputs()
+    out["o"][0, 1, 299] = (out["o"][0, 1, 299].astype(np.float32) * 1.08).astype(np.float16)  # hides in the norm
+    assert "rows off" in FAMILY.check(problem, inputs, out, np)
+    out = outputs()
+    out["o"] = (out["o"].astype(np.float32) * 1.05).astype(np.float16)
+    assert "relative error" in FAMILY.check(problem, inputs, out, np)
+    out = outputs()
+    out["lse"][0, 0, 7] += 0.01
+    assert "lse" in FAMILY.check(problem, inputs, out, np)
