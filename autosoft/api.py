@@ -1,6 +1,7 @@
 """The Python API: autosoft.softmax(x) for CuPy arrays and CUDA tensors (torch, any DLPack producer)."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .dispatch import DISPATCHER
@@ -19,14 +20,28 @@ def softmax(x: Any) -> Any:
     Non-contiguous inputs are copied to a contiguous array first; an empty input gives an
     empty output. Raises TypeError for host arrays or unsupported dtypes.
     """
-    if type(x).__module__.startswith("torch"):
-        return _softmax_torch(x)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _softmax_torch(x, torch)
     return _softmax_cupy(x)
 
 
-def _softmax_torch(x: Any) -> Any:
-    import torch
+def _softmax_torch(x: Any, torch: Any) -> Any:
+    # Hot path: a tensor of a (dtype, shape, device) seen before needs only its output and a launch.
+    key = (x.dtype, x.shape, x.get_device())
+    loaded = DISPATCHER.fast.get(key)
+    if loaded is None or not x.is_contiguous():
+        return _softmax_torch_checked(x, torch)
+    y = torch.empty_like(x)
+    xp, yp = x.data_ptr(), y.data_ptr()
+    if (xp - yp) % _VEC_ALIGN:
+        y = _empty_aligned_like_torch(x)
+        yp = y.data_ptr()
+    _launch_on(loaded, {"x": xp, "y": yp}, _torch_stream(torch, key[2]))
+    return y
 
+
+def _softmax_torch_checked(x: Any, torch: Any) -> Any:
     if not x.is_cuda:
         raise TypeError("autosoft.softmax: x is a CPU tensor; move it to the GPU first (x.cuda())")
     dtype = _TORCH_DTYPES.get(str(x.dtype))
@@ -38,14 +53,37 @@ def _softmax_torch(x: Any) -> Any:
         return torch.empty_like(x)
     if not x.is_contiguous():
         x = x.contiguous()
+    device = x.get_device()
+    loaded = _loaded(_problem(dtype, tuple(x.shape)), device)
+    DISPATCHER.fast[(x.dtype, x.shape, device)] = loaded
     y = _empty_aligned_like_torch(x)
-    problem = _problem(dtype, tuple(x.shape))
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    loaded = DISPATCHER.loaded(problem, device)
-    stream = _external_stream(torch.cuda.current_stream(x.device).cuda_stream)
-    with _on_device(device):
-        loaded.launch({"x": x.data_ptr(), "y": y.data_ptr()}, stream=stream)
+    _launch_on(loaded, {"x": x.data_ptr(), "y": y.data_ptr()}, _torch_stream(torch, device))
     return y
+
+
+def _torch_stream(torch: Any, device: int) -> int:
+    try:  # the raw handle without building a torch Stream object (Triton reads it the same way)
+        return torch._C._cuda_getCurrentRawStream(device)
+    except AttributeError:  # pragma: no cover - older or newer torch
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def _launch_on(loaded: Any, values: dict, stream_ptr: int) -> None:
+    from .runtime import cupy_module
+
+    cp = cupy_module()
+    if cp.cuda.runtime.getDevice() == loaded.device:
+        loaded.launch_raw(values, stream_ptr)
+    else:
+        with cp.cuda.Device(loaded.device):
+            loaded.launch_raw(values, stream_ptr)
+
+
+def _loaded(problem: Problem, device: int) -> Any:
+    from .runtime import cupy_module
+
+    with cupy_module().cuda.Device(device):
+        return DISPATCHER.loaded(problem, device)
 
 
 def _softmax_cupy(x: Any) -> Any:
@@ -72,12 +110,14 @@ def _softmax_cupy(x: Any) -> Any:
         return cp.empty_like(x)
     if not x.flags.c_contiguous:
         x = cp.ascontiguousarray(x)
-    problem = _problem(dtype, x.shape)
-    device = x.device.id
+    device = x.data.device_id
+    key = (x.dtype, x.shape, device)
+    loaded = DISPATCHER.fast.get(key)
+    if loaded is None:
+        loaded = DISPATCHER.fast[key] = _loaded(_problem(dtype, x.shape), device)
     with x.device:
         y = _empty_aligned_like_cupy(cp, x)
-        loaded = DISPATCHER.loaded(problem, device)
-        loaded.launch({"x": x.data.ptr, "y": y.data.ptr})
+        loaded.launch_raw({"x": x.data.ptr, "y": y.data.ptr}, cp.cuda.get_current_stream().ptr)
     return y
 
 
@@ -113,38 +153,6 @@ def _empty_aligned_like_cupy(cp: Any, x: Any) -> Any:
     flat = cp.empty(x.size + _VEC_ALIGN // x.itemsize, dtype=x.dtype)
     start = misalign // x.itemsize
     return flat[start:start + x.size].reshape(x.shape)
-
-
-_STREAMS: dict[int, Any] = {}
-
-
-def _external_stream(ptr: int) -> Any:
-    stream = _STREAMS.get(ptr)
-    if stream is None:
-        from .runtime import cupy_module
-
-        stream = _STREAMS[ptr] = cupy_module().cuda.ExternalStream(ptr)
-    return stream
-
-
-class _on_device:
-    """Make `index` the current CUDA device for CuPy while launching (cheap when it already is)."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self._ctx = None
-
-    def __enter__(self) -> None:
-        from .runtime import cupy_module
-
-        cp = cupy_module()
-        if cp.cuda.runtime.getDevice() != self.index:
-            self._ctx = cp.cuda.Device(self.index)
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
 
 
 def load_cache(path: str) -> int:

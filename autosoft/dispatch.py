@@ -39,6 +39,7 @@ class Dispatcher:
         self._extra_files: list[Path] = []
         self._entries: list[Entry] | None = None
         self._loaded: dict[tuple, LoadedVariant] = {}
+        self.fast: dict[tuple, LoadedVariant] = {}  # the API's hot-path index: (array dtype, shape, device)
 
     # -- cache files --------------------------------------------------------------------
     def load_cache(self, path: str | Path) -> int:
@@ -49,6 +50,7 @@ class Dispatcher:
             self._extra_files.insert(0, cache.path)
             self._entries = None
             self._loaded.clear()
+            self.fast.clear()
         return count
 
     def entries(self) -> list[Entry]:
@@ -68,6 +70,7 @@ class Dispatcher:
         with self._lock:
             self._entries = None
             self._loaded.clear()
+            self.fast.clear()
 
     # -- choosing -----------------------------------------------------------------------
     def choose(self, problem: Problem) -> Choice:

@@ -4,12 +4,14 @@ Everything that needs a CUDA driver lives here, so the rest of the package impor
 """
 from __future__ import annotations
 
+import ctypes
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
 from .errors import NoDeviceError
-from .families.base import Target, Variant
+from .families.base import Launch, Target, Variant
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -67,44 +69,95 @@ def device_info(index: int | None = None) -> DeviceInfo:
 
 
 class LoadedVariant:
-    """A variant's cubin loaded into the current context, ready to launch."""
+    """A variant's cubin loaded into the current context, ready to launch.
+
+    Launches go straight to cuLaunchKernel with argument slots built once: the per-call cost
+    is writing the buffer addresses into those slots, which keeps autosoft.softmax's host
+    overhead close to a framework's own launch.
+    """
 
     def __init__(self, variant: Variant, cubin: bytes):
         cp = cupy_module()
         self.variant = variant
+        self.device = cp.cuda.runtime.getDevice()
         self._module = cp.cuda.function.Module()
         self._module.load(cubin)
-        self._functions = {}
+        self._launches = []
         for launch in variant.launches:
             fn = self._module.get_function(launch.kernel)
             if launch.shared_mem > 48 * 1024:
                 cp.cuda.driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED, launch.shared_mem)
-            self._functions[launch.kernel] = fn
-        self._workspace = None
-
-    def workspace(self) -> Any:
-        if self.variant.workspace_bytes and self._workspace is None:
-            self._workspace = cupy_module().empty(self.variant.workspace_bytes, dtype="uint8")
-        return self._workspace
+            self._launches.append(_RawLaunch(fn.ptr, launch))
+        self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
+        self._lock = threading.Lock()          # argument slots are shared between calls
 
     def launch(self, buffers: Mapping[str, Any], stream: Any = None) -> None:
-        """Run every launch of the variant. Buffers: name -> CuPy array or raw device pointer (int)."""
-        ws = self.workspace()
-        for launch in self.variant.launches:
-            args = tuple(_arg(a, buffers, ws) for a in launch.args)
-            self._functions[launch.kernel](launch.grid, launch.block, args,
-                                           shared_mem=launch.shared_mem, stream=stream)
+        """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar."""
+        cp = cupy_module()
+        stream_ptr = (stream or cp.cuda.get_current_stream()).ptr
+        values = {k: (v.data.ptr if isinstance(v, cp.ndarray) else v) for k, v in buffers.items()}
+        self.launch_raw(values, stream_ptr)
+
+    def launch_raw(self, values: Mapping[str, Any], stream_ptr: int) -> None:
+        if self.variant.workspace_bytes:
+            values = {**values, "workspace": self._workspace(stream_ptr)}
+        with self._lock:
+            for launch in self._launches:
+                launch(values, stream_ptr)
+
+    def _workspace(self, stream_ptr: int) -> int:
+        ws = self._workspaces.get(stream_ptr)
+        if ws is None:
+            ws = self._workspaces[stream_ptr] = cupy_module().empty(self.variant.workspace_bytes, dtype="uint8")
+        return ws.data.ptr
 
 
-def _arg(spec: Any, buffers: Mapping[str, Any], workspace: Any) -> Any:
-    if not isinstance(spec, str):
-        return spec
-    value = workspace if spec == "workspace" else buffers[spec]
+class _RawLaunch:
+    """One kernel launch with its argument array prepared for cuLaunchKernel."""
+
+    def __init__(self, function_ptr: int, launch: Launch):
+        self.function_ptr = function_ptr
+        self.geometry = (*launch.grid, *launch.block, launch.shared_mem)
+        self.slots: list[Any] = []
+        self.bound: list[tuple[int, str]] = []  # (slot index, buffer name) filled at each call
+        for i, arg in enumerate(launch.args):
+            if isinstance(arg, str):
+                self.slots.append(ctypes.c_void_p(0))
+                self.bound.append((i, arg))
+            else:
+                self.slots.append(_ctype_of(arg))
+        self.params = (ctypes.c_void_p * max(1, len(self.slots)))(*[ctypes.addressof(c) for c in self.slots])
+        self.params_ptr = ctypes.addressof(self.params)
+
+    def __call__(self, values: Mapping[str, Any], stream_ptr: int) -> None:
+        for i, name in self.bound:
+            value = values[name]
+            if type(value) is int:
+                self.slots[i].value = value
+            else:  # a scalar argument (e.g. a float32 scale): give it a slot of its own type
+                self.slots[i] = _ctype_of(value)
+                self.params[i] = ctypes.addressof(self.slots[i])
+        gx, gy, gz, bx, by, bz, smem = self.geometry
+        _driver().launchKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr, 0)
+
+
+def _ctype_of(value: Any) -> Any:
+    import numpy as np
+
+    kinds = {np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.uint64: ctypes.c_uint64,
+             np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+    if type(value) in kinds:
+        return kinds[type(value)](value.item())
     if isinstance(value, int):
-        import numpy as np
+        return ctypes.c_void_p(value)
+    raise TypeError(f"unsupported kernel argument {value!r} ({type(value).__name__})")
 
-        return np.uint64(value)
-    return value
+
+@lru_cache(maxsize=1)
+def _driver() -> Any:
+    from cupy_backends.cuda.api import driver
+
+    return driver
 
 
 def _one_line(exc: BaseException) -> str:

@@ -54,14 +54,15 @@ class SoftmaxFamily:
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, n = problem.shape
         # 4 KiB stays free for the static reduction scratch
-        return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "smem_limit": target.smem_optin - 4096}
+        return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "smem_limit": target.smem_optin - 4096,
+                "arch": int(target.arch)}
 
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         name = (f"softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
                 f"_u{p['unroll']}_{p['storage']}_{p['normalise']}_{p['reduce']}")
         if p["split"] != 1:
-            name += f"_split{p['split']}"
+            name += f"_{'cluster' if p['combine'] == 'cluster' else 'split'}{p['split']}"
         if p["persistent"]:
             name += "_persistent"
         if p["streaming"]:
@@ -75,6 +76,8 @@ class SoftmaxFamily:
         m = problem.shape[0]
         threads, split = values["threads"], values["split"]
         block = (threads, 1, 1)
+        if split > 1 and values["combine"] == "cluster":
+            return (Launch("softmax_cluster", (m * split, 1, 1), block, 0, ("x", "y", np.int64(m))),), 0
         if split > 1:
             grid = (m * split, 1, 1)
             partial = Launch("softmax_partials", grid, block, 0, ("x", "workspace", np.int64(m)))
@@ -95,7 +98,7 @@ class SoftmaxFamily:
         vectors = -(-n // vec)
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
-            "normalise": "three_pass", "reduce": "shuffle", "split": 1, "persistent": False,
+            "normalise": "three_pass", "reduce": "shuffle", "split": 1, "combine": "launches", "persistent": False,
             "streaming": False,
         }
         if vectors <= 32:
@@ -115,7 +118,12 @@ class SoftmaxFamily:
         """Neighbours of the default that are often better: the tuner tries these first."""
         base = self.default_params(problem, target)
         seeds = []
+        cluster = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "combine": "cluster",
+                   "persistent": False}
         for change in ({"storage": "smem", "normalise": "online", "unroll": 2},
+                       {**cluster, "split": 8, "threads": 1024, "row_threads": 1024},
+                       {**cluster, "split": 8, "threads": 512, "row_threads": 512},
+                       {**cluster, "split": 4, "threads": 512, "row_threads": 512},
                        {"persistent": True}, {"streaming": True},
                        {"row_threads": max(1, int(base["row_threads"]) // 2)},
                        {"row_threads": min(1024, int(base["row_threads"]) * 2),
@@ -132,7 +140,7 @@ class SoftmaxFamily:
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
         # Walk towards the plainest variant until every constraint holds; the last step always does.
         fallbacks = ({}, {"unroll": 1}, {"storage": "reread", "normalise": "online", "unroll": 1},
-                     {"split": 1, "threads": 128, "row_threads": 32},
+                     {"split": 1, "combine": "launches", "threads": 128, "row_threads": 32},
                      {"vec": 1, "threads": 32, "row_threads": 1})
         for change in fallbacks:
             p = {**p, **change}
