@@ -1,0 +1,85 @@
+"""Shared helpers of the CPU test tier: cache entries made by hand, running the CLI, finding CUDA tools."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def softmax_key(shape: str = "4096x8192", dtype: str = "float32", **changes: str):
+    """A cache key that the current softmax template and search space would produce."""
+    from autosoft.cache import CacheKey
+    from autosoft.families import get_family
+    from autosoft.families.base import family_template_digest, space_of
+
+    family = get_family("softmax")
+    key = CacheKey("softmax", dtype, shape, "NVIDIA H200", "90", "13.0",
+                   family_template_digest(family), space_of(family).digest)
+    return replace(key, **changes)
+
+
+def make_entry(key=None, time_us: float = 10.0, params: dict[str, Any] | None = None, **fields: Any):
+    """An Entry for `key`; params default to the softmax heuristic default for the key's shape."""
+    from autosoft.cache import Entry
+    from autosoft.families import get_family
+    from autosoft.families.base import Target
+
+    key = key or softmax_key()
+    if params is None:
+        family = get_family("softmax")
+        problem = family.problem(key.shape, key.dtype)
+        params = family.default_params(problem, Target.for_arch(key.compute_capability))
+    values = dict(variant_name="softmax_test_variant", params=params, source_digest="ab" * 32, time_us=time_us,
+                  default_time_us=2 * time_us, copy_time_us=0.5 * time_us,
+                  launches="softmax_rows grid=(1, 1, 1) block=(128, 1, 1) smem=0B",
+                  autosoft_version="0.1.0", created=1_700_000_000.0)
+    values.update(fields)
+    return Entry(key=key, **values)
+
+
+def cli_env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["AUTOSOFT_CACHE_DIR"] = str(cache_dir)
+    return env
+
+
+def run_cli(args: list[str], cache_dir: Path, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m autosoft ARGS` in a fresh process with its own AUTOSOFT_CACHE_DIR."""
+    return subprocess.run([sys.executable, "-m", "autosoft", *args], env=cli_env(cache_dir), cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc")
+
+
+def cuda_tool(name: str) -> str | None:
+    """A CUDA binary (cuobjdump, nvdisasm): on PATH, next to nvcc (following wrapper scripts), or in /usr/local/cuda*."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates: list[Path] = []
+    nvcc = nvcc_path()
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent)
+        try:  # /usr/local/bin/nvcc is often a one-line `exec /usr/local/cuda-X/bin/nvcc "$@"` script
+            text = Path(nvcc).read_text(errors="replace")[:4096]
+            for word in text.split():
+                if word.endswith("/nvcc"):
+                    candidates.append(Path(word).parent)
+        except OSError:
+            pass
+    candidates += sorted(Path("/usr/local").glob("cuda*/bin"))
+    for folder in candidates:
+        tool = folder / name
+        if tool.is_file() and os.access(tool, os.X_OK):
+            return str(tool)
+    return None
+

@@ -1,0 +1,175 @@
+"""cli.py through `python -m autosoft` in a subprocess: user errors are one line and exit 2,
+and touch no file; render, list and export behave on a machine without a GPU."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import gpu_available
+from helpers import make_entry, run_cli, softmax_key
+
+from autosoft.cache import Cache
+
+ERROR_CASES = {
+    "shape_trailing_x": ["render", "softmax", "--shape", "4096x"],
+    "shape_zero_rows": ["render", "softmax", "--shape", "0x5"],
+    "shape_zero_cols": ["render", "softmax", "--shape", "5x0"],
+    "shape_negative_separate": ["render", "softmax", "--shape", "-1x8"],
+    "shape_negative_equals": ["render", "softmax", "--shape=-1x8"],
+    "shape_letters": ["render", "softmax", "--shape", "axb"],
+    "shape_empty": ["render", "softmax", "--shape", ""],
+    "shape_three_dims": ["render", "softmax", "--shape", "2x3x4"],
+    "shape_float": ["render", "softmax", "--shape", "4.5x8"],
+    "shape_too_long_rows": ["render", "softmax", "--shape", "1x2147483647"],
+    "shape_missing": ["render", "softmax"],
+    "unknown_dtype": ["render", "softmax", "--shape", "4x8", "--dtype", "float64"],
+    "unknown_dtype_int": ["render", "softmax", "--shape", "4x8", "--dtype", "int8"],
+    "unknown_family": ["render", "softmaxx", "--shape", "4x8"],
+    "unknown_param": ["render", "softmax", "--shape", "4x1024", "--param", "warps=4"],
+    "bad_param_value": ["render", "softmax", "--shape", "4x1024", "--param", "vec=3"],
+    "injected_param_value": ["render", "softmax", "--shape", "4x1024", "--param",
+                             "storage=registers; system(\"id\")"],
+    "param_without_equals": ["render", "softmax", "--shape", "4x1024", "--param", "vec"],
+    "param_invalid_for_shape": ["render", "softmax", "--shape", "4x3", "--param", "vec=4"],
+    "causal_softmax": ["render", "softmax", "--shape", "4x8", "--causal"],
+    "unknown_command": ["frobnicate"],
+    "no_command": [],
+    "unknown_option": ["list", "--verbose"],
+    "tune_trials_zero": ["tune", "softmax", "--shape", "64x64", "--trials", "0"],
+    "tune_trials_negative": ["tune", "softmax", "--shape", "64x64", "--trials", "-3"],
+    "tune_trials_not_int": ["tune", "softmax", "--shape", "64x64", "--trials", "many"],
+    "tune_bad_shape": ["tune", "softmax", "--shape", "64x", "--trials", "5"],
+    "tune_bad_dtype": ["tune", "softmax", "--shape", "64x64", "--dtype", "half"],
+    "export_bad_shape": ["export", "softmax", "--shape", "0x5", "-o", "out.cu"],
+    "export_unknown_family": ["export", "nope", "--shape", "4x5", "-o", "out.cu"],
+}
+
+
+def _assert_user_error(result, cache_dir, cwd=None):
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    assert lines[0].startswith("autosoft: error: ") and len(lines[0]) > len("autosoft: error: ") + 10
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not cache_dir.exists() or not any(cache_dir.iterdir()), "nothing is written to the cache dir"
+    if cwd is not None:
+        assert not list(cwd.iterdir()), "no output file is written"
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_user_errors_are_one_line_exit_2_and_write_nothing(case, tmp_path):
+    cache_dir = tmp_path / "cache"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = run_cli(ERROR_CASES[case], cache_dir, cwd=cwd)
+    line = _assert_user_error(result, cache_dir, cwd)
+    assert result.stdout == ""
+    if case.startswith("shape_") and case != "shape_missing":
+        assert "shape" in line
+    if case == "unknown_param":
+        assert "warps" in line and "vec" in line, "names the bad parameter and the known ones"
+    if case == "bad_param_value":
+        assert "1, 2, 4, 8" in line, "says which values are allowed"
+    if case == "unknown_dtype":
+        assert "float64" in line and "bfloat16" in line
+    if case == "unknown_family":
+        assert "softmaxx" in line and "softmax" in line.replace("softmaxx", "")
+    if case == "tune_trials_zero":
+        assert "--trials" in line
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a CUDA device")
+def test_tune_without_a_device_is_a_one_line_error(tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = run_cli(["tune", "softmax", "--shape", "64x1000", "--trials", "3"], cache_dir, cwd=tmp_path)
+    line = _assert_user_error(result, cache_dir)
+    assert "CUDA" in line or "GPU" in line
+    assert result.stdout == ""
+    explicit = tmp_path / "explicit.sqlite"
+    result = run_cli(["tune", "softmax", "--shape", "64x1000", "--cache", str(explicit)], cache_dir, cwd=tmp_path)
+    _assert_user_error(result, cache_dir)
+    assert not explicit.exists(), "no cache file is created before the device is found"
+
+
+def test_render_prints_a_kernel(tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = run_cli(["render", "softmax", "--shape", "4096x1000", "--dtype", "float16",
+                      "--param", "vec=4", "--param", "storage=smem", "--param", "persistent=true"], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    src = result.stdout
+    assert src.startswith("// autosoft softmax variant softmax_f16_")
+    assert "_v4_" in src.splitlines()[0] and "_smem_" in src.splitlines()[0] and "_persistent" in src.splitlines()[0]
+    assert "constexpr int N = 1000;" in src and "constexpr int VEC = 4;" in src
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(THREADS\) softmax_rows\(', src)
+    assert "{{" not in src and "{%" not in src
+    assert not cache_dir.exists(), "render touches no cache"
+
+
+def test_render_output_compiles_and_respects_arch(tmp_path):
+    from autosoft.compile import compile_source
+
+    for arch in ("80", "90"):
+        result = run_cli(["render", "softmax", "--shape", "3x50257", "--dtype", "bfloat16", "--arch", arch],
+                         tmp_path / "cache")
+        assert result.returncode == 0, result.stderr
+        compiled = compile_source(result.stdout, arch)
+        assert compiled.ok, compiled.log
+
+
+def test_list_with_no_cache(tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = run_cli(["list"], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert "no cache" in result.stdout and str(cache_dir) in result.stdout
+    assert not cache_dir.exists(), "list does not create the cache"
+    missing = tmp_path / "elsewhere.sqlite"
+    result = run_cli(["list", "--cache", str(missing)], cache_dir)
+    assert result.returncode == 0 and "no cache" in result.stdout
+    assert not missing.exists()
+
+
+def test_list_shows_entries(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache = Cache(cache_dir / "kernels.sqlite")
+    cache.put(make_entry(softmax_key("4096x8192", "float16"), time_us=123.45, variant_name="softmax_f16_listed"))
+    cache.put(make_entry(softmax_key("1x1000"), time_us=2.5, variant_name="softmax_f32_other"))
+    result = run_cli(["list"], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert "2 entries" in result.stdout
+    assert "softmax_f16_listed" in result.stdout and "123.45" in result.stdout and "4096x8192" in result.stdout
+    assert "softmax_f32_other" in result.stdout and "NVIDIA H200" in result.stdout
+
+
+def test_list_of_an_empty_cache(tmp_path):
+    path = tmp_path / "empty.sqlite"
+    Cache(path)
+    result = run_cli(["list", "--cache", str(path)], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    assert "0 entries" in result.stdout
+
+
+def test_list_of_a_corrupt_cache_is_a_one_line_error(tmp_path):
+    path = tmp_path / "bad.sqlite"
+    path.write_bytes(b"not a database at all" * 100)
+    before = path.read_bytes()
+    result = run_cli(["list", "--cache", str(path)], tmp_path / "cache")
+    line = _assert_user_error(result, tmp_path / "cache")
+    assert str(path) in line
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("with_file", [False, True])
+def test_export_without_an_entry_is_a_one_line_error(tmp_path, with_file):
+    cache_dir = tmp_path / "cache"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    if with_file:  # a cache that holds other shapes only
+        Cache(cache_dir / "kernels.sqlite").put(make_entry(softmax_key("4096x8192")))
+    result = run_cli(["export", "softmax", "--shape", "4096x4096", "-o", "out.cu"], cache_dir, cwd=cwd)
+    line = _assert_user_error(result, cache_dir if not with_file else tmp_path / "nothing", cwd)
+    assert "autosoft tune softmax --shape 4096x4096" in line, "says what to run"
+    if not with_file:
+        assert not cache_dir.exists(), "export does not create a cache"

@@ -1,0 +1,209 @@
+"""dispatch.py and api.py without a GPU: the shape distance, which cache entry is chosen (with a
+stand-in device), and the API's refusal of host arrays before it looks for a device."""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+
+import autosoft
+import autosoft.dispatch as dispatch
+import autosoft.runtime as runtime
+from autosoft.cache import Cache
+from autosoft.dispatch import Dispatcher, _shape_distance, find_entry
+from autosoft.errors import UserError
+from autosoft.families import get_family
+from autosoft.families.base import Problem, Target
+from autosoft.runtime import DeviceInfo
+
+from helpers import make_entry, softmax_key
+
+SOFTMAX = get_family("softmax")
+
+
+def _k(shape: str):
+    return softmax_key(shape)
+
+
+# --- the distance between shapes ------------------------------------------------------------------
+
+def test_shape_distance_is_zero_for_the_same_shape_and_symmetric():
+    assert _shape_distance(_k("4096x8192"), _k("4096x8192")) == 0
+    for a, b in (("1x1", "4096x8192"), ("3x1000", "7x1025"), ("65536x64", "2x1048576")):
+        assert _shape_distance(_k(a), _k(b)) == pytest.approx(_shape_distance(_k(b), _k(a)))
+        assert _shape_distance(_k(a), _k(b)) > 0
+
+
+def test_row_length_weighs_more_than_row_count():
+    here = _k("4096x8192")
+    order = sorted(["4096x16384", "8192x8192", "4096x8000", "2x8192", "4096x2048", "1024x8192", "4096x1024"],
+                   key=lambda s: _shape_distance(_k(s), here))
+    assert order == ["4096x8000", "8192x8192", "1024x8192", "4096x16384", "4096x2048", "2x8192", "4096x1024"]
+    # doubling N costs as much as 16x more rows
+    assert _shape_distance(_k("4096x16384"), here) == pytest.approx(_shape_distance(_k("65536x8192"), here))
+
+
+def test_distance_is_infinite_across_flags_and_ranks():
+    plain, causal = _k("1x32x8192x64"), _k("1x32x8192x64+causal")
+    assert _shape_distance(plain, causal) == math.inf
+    assert _shape_distance(causal, plain) == math.inf
+    assert _shape_distance(causal, _k("1x32x4096x64+causal")) == pytest.approx(1.0)
+    assert _shape_distance(_k("4096x8192"), _k("1x4096x8192")) == math.inf
+
+
+# --- choosing with a stand-in device ----------------------------------------------------------------
+
+H200 = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
+
+
+@pytest.fixture
+def device(monkeypatch, cache_dir):
+    """dispatch sees an H200 (nothing is compiled or launched by choose); the default cache is empty."""
+    monkeypatch.setattr(dispatch, "device_info", lambda index=None: H200)
+    return H200
+
+
+def _params(shape: str, dtype: str = "float32", **changes):
+    problem = SOFTMAX.problem(shape, dtype)
+    params = {**SOFTMAX.default_params(problem, H200.target), **changes}
+    assert SOFTMAX.is_valid(problem, H200.target, params)
+    return params
+
+
+def _key(shape: str, dtype: str = "float32", **changes):
+    return softmax_key(shape, dtype, **{"gpu_name": H200.name, "compute_capability": H200.compute_capability,
+                                        "cuda_version": H200.cuda_version, **changes})
+
+
+def test_exact_entry_wins(device, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    exact = _params("4096x8192", storage="smem", normalise="online", unroll=2)
+    cache.put(make_entry(_key("4096x8192"), time_us=5.0, params=exact))
+    cache.put(make_entry(_key("4096x8000"), time_us=1.0, params=_params("4096x8000", streaming=True)))
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))
+    assert choice.source == "tuned"
+    assert dict(choice.variant.params) == exact
+
+
+def test_nearest_valid_shape_is_borrowed(device, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    near = _params("4096x8192", storage="reread", normalise="online", unroll=2, streaming=True)
+    far = _params("4096x1024", storage="reread", normalise="online", unroll=1, persistent=True)
+    cache.put(make_entry(_key("4096x8192"), time_us=50.0, params=near))
+    cache.put(make_entry(_key("4096x1024"), time_us=1.0, params=far))
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 7000)))
+    assert choice.source == "nearest 4096x8192"
+    assert dict(choice.variant.params) == near
+    assert "constexpr int N = 7000;" in choice.variant.source
+
+
+def test_an_entry_invalid_for_this_shape_is_skipped(device, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    wide = _params("64x8", "float16", vec=8, row_threads=8)
+    cache.put(make_entry(_key("64x8", "float16"), params=wide))
+    problem = Problem("softmax", "float16", (64, 3))  # vec=8 is wider than the row
+    choice = Dispatcher().choose(problem)
+    assert choice.source == "default"
+    assert dict(choice.variant.params) == SOFTMAX.default_params(problem, H200.target)
+
+
+@pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("compute_capability", "80"),
+                                          ("cuda_version", "12.4"), ("template_digest", "0" * 64),
+                                          ("space_digest", "0" * 64), ("dtype", "float16")])
+def test_entries_for_another_gpu_compiler_template_or_dtype_are_never_used(device, cache_dir, field, value):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    params = _params("4096x8192", streaming=True, unroll=1)
+    cache.put(make_entry(_key("4096x8192", **{field: value}), params=params))
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))
+    assert choice.source == "default"
+
+
+def test_load_cache_adds_a_file_and_never_writes_it(device, cache_dir, tmp_path):
+    other = tmp_path / "from-another-machine.sqlite"
+    params = _params("1024x2048", persistent=True)
+    Cache(other).put(make_entry(_key("1024x2048"), params=params))
+    before = hashlib.sha256(other.read_bytes()).hexdigest()
+    d = Dispatcher()
+    problem = Problem("softmax", "float32", (1024, 2048))
+    assert d.choose(problem).source == "default"
+    assert d.load_cache(other) == 1
+    choice = d.choose(problem)
+    assert choice.source == "tuned" and dict(choice.variant.params) == params
+    assert hashlib.sha256(other.read_bytes()).hexdigest() == before
+    assert not cache_dir.exists(), "choosing creates no default cache file"
+
+
+def test_load_cache_of_a_bad_file_is_a_user_error(tmp_path):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"\x00garbage" * 512)
+    before = bad.read_bytes()
+    with pytest.raises(UserError, match="bad.sqlite"):
+        Dispatcher().load_cache(bad)
+    with pytest.raises(UserError, match="no such file"):
+        Dispatcher().load_cache(tmp_path / "missing.sqlite")
+    assert bad.read_bytes() == before and not (tmp_path / "missing.sqlite").exists()
+
+
+def test_find_entry_prefers_this_gpu(device, tmp_path):
+    cache = Cache(tmp_path / "k.sqlite")
+    cache.put(make_entry(_key("256x4096", gpu_name="NVIDIA A100", compute_capability="80"), time_us=1.0,
+                         params=_params("256x4096")))
+    mine = _params("256x4096", streaming=True)
+    cache.put(make_entry(_key("256x4096"), time_us=9.0, params=mine))
+    entry, target = find_entry(cache, Problem("softmax", "float32", (256, 4096)), cache.path)
+    assert entry.key.gpu_name == "NVIDIA H200" and dict(entry.params) == mine
+    assert target == H200.target
+
+
+def test_find_entry_without_a_device_uses_the_entry_architecture(monkeypatch, tmp_path):
+    def no_device(index=None):
+        raise autosoft.NoDeviceError("no CUDA device")
+
+    monkeypatch.setattr(dispatch, "device_info", no_device)
+    cache = Cache(tmp_path / "k.sqlite")
+    cache.put(make_entry(_key("256x4096", gpu_name="NVIDIA A100", compute_capability="80"), time_us=3.0,
+                         params=_params("256x4096")))
+    entry, target = find_entry(cache, Problem("softmax", "float32", (256, 4096)), cache.path)
+    assert entry.key.compute_capability == "80" and target.arch == "80"
+    with pytest.raises(UserError, match="autosoft tune"):
+        find_entry(cache, Problem("softmax", "float32", (256, 4097)), cache.path)
+
+
+# --- the public API on a host array -----------------------------------------------------------------
+
+@pytest.fixture
+def no_gpu_allowed(monkeypatch):
+    """Any attempt to reach CuPy or a device fails the test."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the host-array path must not look for a GPU")
+
+    monkeypatch.setattr(runtime, "cupy_module", forbidden)
+    monkeypatch.setattr(runtime, "device_info", forbidden)
+    monkeypatch.setattr(dispatch, "device_info", forbidden)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.ones((4, 8), dtype=np.float32),
+    lambda: np.ones((4, 8), dtype=np.float16),
+    lambda: np.ones((2, 3, 8), dtype=np.float32)[:, 1],
+    lambda: np.ones(8, dtype=np.int32),
+    lambda: np.zeros((0, 8), dtype=np.float32),
+    lambda: np.float32(1.0),
+    lambda: np.ma.masked_array(np.ones((2, 2), dtype=np.float32)),
+])
+def test_softmax_of_a_numpy_array_is_a_type_error_without_a_device(no_gpu_allowed, make):
+    with pytest.raises(TypeError, match="host"):
+        autosoft.softmax(make())
+
+
+def test_api_problem_flattens_leading_dimensions():
+    from autosoft.api import _problem
+
+    assert _problem("float16", (2, 3, 5)).shape == (6, 5)
+    assert _problem("float32", (7,)).shape == (1, 7)
+    with pytest.raises(ValueError):
+        _problem("float32", (4, 0))
+    with pytest.raises(ValueError):
+        _problem("float32", (1, 2**31))
