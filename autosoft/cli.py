@@ -10,6 +10,7 @@ from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import FAMILIES, get_family
 from .families.base import DTYPES, Target, build_variant
+from .worker import Watchdog
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     problem_args(tune)
     tune.add_argument("--trials", type=int, default=60, help="variants to evaluate (default 60)")
     tune.add_argument("--seed", type=int, default=0, help="seed of the search and of the test inputs")
+    tune.add_argument("--resume", action="store_true",
+                      help="continue the interrupted study for this problem instead of starting afresh")
+    tune.add_argument("--timeout-multiple", type=float, default=Watchdog.multiple,
+                      help="watchdog: an evaluation may take this many times the default variant's kernel "
+                           f"time per launch (default {Watchdog.multiple:g})")
+    tune.add_argument("--timeout-floor", type=float, default=Watchdog.floor_s,
+                      help=f"watchdog: never less than this many seconds (default {Watchdog.floor_s:g})")
+    tune.add_argument("--timeout-cap", type=float, default=Watchdog.cap_s,
+                      help=f"watchdog: never more than this many seconds (default {Watchdog.cap_s:g})")
     cache_arg(tune)
 
     lst = sub.add_parser("list", help="show the entries of a cache file")
@@ -78,16 +88,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     family, problem = _problem(args)
     if args.trials < 1:
         raise UserError(f"--trials must be at least 1, got {args.trials}")
+    if not 0 < args.timeout_floor <= args.timeout_cap or args.timeout_multiple <= 0:
+        raise UserError("watchdog: need 0 < --timeout-floor <= --timeout-cap and --timeout-multiple > 0")
     device = device_info()  # fails with a clear message before any file is touched
     cache = Cache(args.cache or default_cache_path())
     print(f"tuning {family.name} {problem.shape_text} {problem.dtype} on {device.name} "
           f"(sm_{device.compute_capability}, NVRTC {device.cuda_version}), {args.trials} trials", file=sys.stderr)
-    report = tune(family.name, problem, args.trials, cache, seed=args.seed, progress=print_progress())
+    watchdog = Watchdog(args.timeout_multiple, args.timeout_floor, args.timeout_cap)
+    report = tune(family, problem, args.trials, cache, seed=args.seed, progress=print_progress(),
+                  resume=args.resume, watchdog=watchdog)
     nbytes = family.bytes_moved(problem)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts().items()))
-    minutes = report.seconds / 60
-    print(f"\n{family.name} {problem.shape_text} {problem.dtype} on {device.name}: {len(report.trials)} trials "
-          f"in {report.seconds:.1f} s ({len(report.trials) / minutes:.0f} trials/min); {counts}")
+    resumed = f", {report.resumed} from the interrupted run" if report.resumed else ""
+    restarts = f", GPU worker restarted {report.worker_restarts}x" if report.worker_restarts else ""
+    print(f"\n{family.name} {problem.shape_text} {problem.dtype} on {device.name}: {len(report.trials)} trials"
+          f"{resumed} in {report.seconds:.1f} s ({report.trials_per_minute:.0f} trials/min); {counts}{restarts}")
     rows = []
     if report.best:
         rows.append(("best", report.best.variant.name, report.best.outcome.time_us))

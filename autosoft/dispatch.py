@@ -125,7 +125,7 @@ def _verify_on_shape(variant: Variant) -> None:
     family = get_family(variant.family)
     shape = (min(variant.problem.shape[0], _VERIFY_ROWS), *variant.problem.shape[1:])
     small = build_variant(family, replace(variant.problem, shape=shape), variant.params, variant.target)
-    wrong = verify(LoadedVariant(small, _compile_or_fail(small)), seed=1)
+    wrong = verify(family, LoadedVariant(small, _compile_or_fail(small)), seed=1)
     if wrong:
         raise RuntimeError(f"autosoft: {variant.name} failed verification on shape {variant.problem.shape_text}: "
                            f"{wrong}; re-tune this shape with `autosoft tune`")

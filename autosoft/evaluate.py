@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from .families import get_family
-from .families.base import Variant
+from .families.base import Family, Variant
 from .runtime import LoadedVariant, cupy_module
 from .timing import Timing, rotation_count, time_gpu
 
@@ -47,20 +46,18 @@ def poisoned(shape: tuple[int, ...], dtype: str, xp: Any) -> Any:
     return xp.full(shape, _POISON_BITS[dtype], dtype=bits).view(storage_dtype(dtype))
 
 
-def allocate_outputs(variant: Variant, xp: Any) -> dict[str, Any]:
-    family = get_family(variant.family)
+def allocate_outputs(family: Family, variant: Variant, xp: Any) -> dict[str, Any]:
     return {name: poisoned(shape, dtype, xp) for name, (shape, dtype) in family.output_specs(variant.problem).items()}
 
 
-def verify(loaded: LoadedVariant, seed: int) -> str | None:
+def verify(family: Family, loaded: LoadedVariant, seed: int) -> str | None:
     """Run on fresh random inputs of every kind; None when all match the reference, else why not."""
     cp = cupy_module()
     variant = loaded.variant
-    family = get_family(variant.family)
     rng = cp.random.default_rng(seed)
     for kind in family.input_kinds:
         inputs = family.make_inputs(variant.problem, kind, cp, rng)
-        outputs = allocate_outputs(variant, cp)
+        outputs = allocate_outputs(family, variant, cp)
         loaded.launch({**inputs, **outputs})
         cp.cuda.runtime.deviceSynchronize()
         problem = family.check(variant.problem, inputs, outputs, cp)
@@ -69,11 +66,10 @@ def verify(loaded: LoadedVariant, seed: int) -> str | None:
     return None
 
 
-def time_variant(loaded: LoadedVariant, reps: int = 40) -> Timing:
+def time_variant(family: Family, loaded: LoadedVariant, reps: int = 40) -> Timing:
     """Median kernel time over rotated input sets (each set read cold from device memory)."""
     cp = cupy_module()
     variant = loaded.variant
-    family = get_family(variant.family)
     from .runtime import device_info
 
     n_sets = rotation_count(family.bytes_moved(variant.problem), device_info().target.l2_bytes)
@@ -81,11 +77,11 @@ def time_variant(loaded: LoadedVariant, reps: int = 40) -> Timing:
     sets = []
     for _ in range(n_sets):
         inputs = family.make_inputs(variant.problem, "normal", cp, rng)
-        sets.append({**inputs, **allocate_outputs(variant, cp)})
+        sets.append({**inputs, **allocate_outputs(family, variant, cp)})
     return time_gpu(lambda i: loaded.launch(sets[i]), n_sets, reps)
 
 
-def evaluate(variant: Variant, cubin: bytes, seed: int = 0, reps: int = 40) -> Outcome:
+def evaluate(family: Family, variant: Variant, cubin: bytes, seed: int = 0, reps: int = 40) -> Outcome:
     """Load, verify, time. A failure at any step becomes the Outcome, never an exception."""
     cp = cupy_module()
     try:
@@ -93,20 +89,19 @@ def evaluate(variant: Variant, cubin: bytes, seed: int = 0, reps: int = 40) -> O
     except Exception as exc:  # noqa: BLE001 - any driver error is this variant's failure
         return Outcome(Status.LAUNCH_FAIL, message=f"load: {_one_line(exc)}")
     try:
-        wrong = verify(loaded, seed)
+        wrong = verify(family, loaded, seed)
     except cp.cuda.runtime.CUDARuntimeError as exc:
         return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
     except cp.cuda.driver.CUDADriverError as exc:
         return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
     if wrong:
         return Outcome(Status.WRONG, message=wrong)
-    timing = time_variant(loaded, reps)
+    try:
+        timing = time_variant(family, loaded, reps)
+    except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as exc:
+        return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
     return Outcome(Status.OK, time_us=timing.median_us)
 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def outcome_from_record(record: Mapping[str, Any]) -> Outcome:
-    return Outcome(Status(record["status"]), record.get("time_us"), record.get("message", ""))

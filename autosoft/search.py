@@ -41,8 +41,7 @@ class Search:
         self._row = {self._key(v): i for i, v in enumerate(self._valid)}
         self._tried = np.zeros(len(valid), dtype=bool)
         self._distributions = {n: CategoricalDistribution(list(space.parameter(n).values)) for n in self._names}
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup, multivariate=True,
-                                             warn_independent_sampling=False)
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup, multivariate=True)
         self.study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
                                          study_name=study_name, load_if_exists=storage is not None)
         self._pending_seeds = [dict(s) for s in seeds if self._key(s) in self._row]
@@ -74,6 +73,12 @@ class Search:
         self.study.tell(trial, state=TrialState.PRUNED)
         self._tried[row] = True
         return Proposal(dict(self._valid[row]), False)
+
+    def mark_tried(self, params: Mapping[str, ParamValue]) -> None:
+        """A point measured outside ask() (the default, first) is not proposed again."""
+        row = self._row.get(self._key(params))
+        if row is not None:
+            self._tried[row] = True
 
     def tell(self, params: Mapping[str, ParamValue], time_us: float | None, status: str) -> None:
         """Record a measured point: its time when correct, a failure otherwise."""

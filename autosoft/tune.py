@@ -1,29 +1,36 @@
 """The tuning job: search a family's space for one problem and store the fastest correct variant.
 
-Compilation runs in a pool of CPU processes ahead of the GPU, which verifies and times one
-variant at a time. Every evaluated variant, failures included, is recorded in the cache file's
-trial log; only a correct variant can become the cache entry.
+Compilation runs in a pool of CPU processes ahead of the GPU; a worker process verifies and
+times one variant at a time (a crash or hang costs that candidate, not the tune). Each
+evaluated variant, failures included, is recorded in the cache file's trial log and in the
+Optuna study (an SQLite file beside the cache) as soon as it finishes, so an interrupted
+tune loses at most the candidate in flight and `--resume` continues it. Only a correct
+variant can become the cache entry.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import multiprocessing as mp
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from functools import lru_cache
+from typing import Any, Callable, Mapping
 
 from . import __version__
 from .cache import Cache, Entry
 from .compile import CompileResult, compile_source
-from .evaluate import Outcome, Status, evaluate
-from .families import get_family
 from .dispatch import cache_key
-from .families.base import Problem, Variant, build_variant, space_of
+from .evaluate import Outcome, Status
+from .families import get_family
+from .families.base import Family, Problem, Variant, build_variant, space_of
 from .runtime import DeviceInfo, device_info
 from .search import Search
 from .space import ParamValue
-from .timing import time_copy
+from .worker import GpuWorker, Watchdog
+
+_WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,9 @@ class TuneReport:
     default: Measured
     copy_time_us: float
     trials: list[Measured] = field(default_factory=list)
+    resumed: int = 0          # trials taken from an earlier run of the same study
     seconds: float = 0.0
+    worker_restarts: int = 0
     stored: bool = False
 
     def counts(self) -> dict[str, int]:
@@ -49,95 +58,152 @@ class TuneReport:
             out[m.outcome.status.value] = out.get(m.outcome.status.value, 0) + 1
         return out
 
+    @property
+    def trials_per_minute(self) -> float:
+        new = len(self.trials) - self.resumed
+        return new / max(1e-9, self.seconds / 60)
+
 
 def launches_text(variant: Variant) -> str:
     return "; ".join(f"{l.kernel} grid={l.grid} block={l.block} smem={l.shared_mem}B" for l in variant.launches)
 
 
-def _compile(source: str, arch: str) -> CompileResult:
-    return compile_source(source, arch)
+def study_storage(cache: Cache) -> str:
+    return f"sqlite:///{cache.path.parent / (cache.path.stem + '-studies.sqlite')}"
+
+
+def study_name(problem: Problem, device: DeviceInfo) -> str:
+    key = cache_key(problem, device)
+    return "/".join((key.family, key.dtype, key.shape, key.gpu_name, key.compute_capability, key.cuda_version,
+                     key.template_digest[:16], key.space_digest[:16]))
+
+
+@lru_cache(maxsize=1)
+def compile_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """One pool of compiler processes per session (spawned: never forked from a CUDA process)."""
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
 
 
 ProgressFn = Callable[[int, int, "Measured | None", "Measured"], None]
 
 
-def tune(family_name: str, problem: Problem, trials: int, cache: Cache, *, seed: int = 0,
-         progress: ProgressFn | None = None, workers: int | None = None) -> TuneReport:
+def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, seed: int = 0,
+         progress: ProgressFn | None = None, workers: int | None = None, resume: bool = False,
+         watchdog: Watchdog = Watchdog()) -> TuneReport:
     start = time.perf_counter()
-    family = get_family(family_name)
+    family = get_family(family) if isinstance(family, str) else family
     device = device_info()
     target = device.target
     space = space_of(family)
     valid = space.valid_points(family.problem_values(problem, target))
     default_params = family.default_params(problem, target)
-    search = Search(space, valid, seeds=[default_params, *family.seed_params(problem, target)], seed=seed)
-    workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1))
+    storage, name = study_storage(cache), study_name(problem, device)
+    if not resume:
+        _delete_study(storage, name)
+    search = Search(space, valid, seeds=[default_params, *family.seed_params(problem, target)], seed=seed,
+                    storage=storage, study_name=name)
+    pool = compile_pool(workers or max(1, min(8, (os.cpu_count() or 2) - 1)))
+    depth = 2 * pool._max_workers  # compiles kept ahead of the GPU
 
-    measured: list[Measured] = []
-    best: Measured | None = None
-    default: Measured | None = None
-    with cf.ProcessPoolExecutor(max_workers=workers) as pool:
+    measured = [Measured(build_variant(family, problem, p, target), Outcome(Status(status), t))
+                for p, t, status in search.finished()]
+    resumed = len(measured)
+    best = min((m for m in measured if m.outcome.ok), key=lambda m: m.outcome.time_us, default=None)
+    default = next((m for m in measured if dict(m.variant.params) == default_params), None)
+    launches = len(family.input_kinds) + _WARMUP + _REPS
+
+    with GpuWorker() as worker:
+        if default is None:  # the default is measured first: it sets the watchdog and the baseline
+            default = _evaluate(family, worker, pool, build_variant(family, problem, default_params, target),
+                                seed, watchdog.cap_s)
+            search.tell(default_params, default.outcome.time_us, default.outcome.status.value)
+            search.mark_tried(default_params)
+            measured.append(default)
+            _record(cache, problem, device, default)
+            if default.outcome.ok and (best is None or default.outcome.time_us < best.outcome.time_us):
+                best = default
+            if progress:
+                progress(len(measured), trials, best, default)
+        timeout_s = watchdog.limit(default.outcome.time_us, launches)
+
         in_flight: list[tuple[Variant, cf.Future]] = []
 
         def refill() -> None:
-            while len(in_flight) < workers * 2 and len(measured) + len(in_flight) < trials:
+            while len(in_flight) < depth and len(measured) + len(in_flight) < trials:
                 proposal = search.ask()
                 if proposal is None:
                     return
                 variant = build_variant(family, problem, proposal.params, target)
-                in_flight.append((variant, pool.submit(_compile, variant.source, target.arch)))
+                in_flight.append((variant, pool.submit(compile_source, variant.source, target.arch)))
 
         refill()
         while in_flight:
             variant, future = in_flight[0]
             refill()  # keep the compilers busy while the GPU works
             in_flight.pop(0)
-            result = future.result()
-            if not result.ok:
-                outcome = Outcome(Status.COMPILE_FAIL, message=result.log.strip().splitlines()[0] if result.log else "")
-            else:
-                outcome = evaluate(variant, result.cubin, seed=seed + len(measured))
-            m = Measured(variant, outcome)
+            m = Measured(variant, _outcome(family, worker, variant, future.result(), seed + len(measured), timeout_s))
             measured.append(m)
-            search.tell(variant.params, outcome.time_us, outcome.status.value)
-            if outcome.ok and (best is None or outcome.time_us < best.outcome.time_us):
+            search.tell(variant.params, m.outcome.time_us, m.outcome.status.value)
+            _record(cache, problem, device, m)
+            if m.outcome.ok and (best is None or m.outcome.time_us < best.outcome.time_us):
                 best = m
-            if dict(variant.params) == default_params:
-                default = m
             if progress:
                 progress(len(measured), trials, best, m)
+        copy_us = worker.time_copy(family.bytes_moved(problem) // 2, target.l2_bytes)
+        restarts = worker.restarts
 
-    if default is None:  # only when trials == 0
-        variant = build_variant(family, problem, default_params, target)
-        result = compile_source(variant.source, target.arch)
-        default = Measured(variant, evaluate(variant, result.cubin, seed=seed) if result.ok
-                           else Outcome(Status.COMPILE_FAIL, message=result.log))
-    copy = time_copy(family.bytes_moved(problem) // 2, target.l2_bytes)
-    report = TuneReport(problem, device, best, default, copy.median_us, measured)
-
-    cache.record_trials([{
-        "family": problem.family, "dtype": problem.dtype, "shape": problem.shape_text, "gpu_name": device.name,
-        "variant_name": m.variant.name, "params": dict(m.variant.params), "status": m.outcome.status.value,
-        "time_us": m.outcome.time_us, "message": m.outcome.message} for m in measured])
+    report = TuneReport(problem, device, best, default, copy_us, measured, resumed, worker_restarts=restarts)
     if best is not None:
         report.stored = cache.put(Entry(
             key=cache_key(problem, device), variant_name=best.variant.name, params=dict(best.variant.params),
             source_digest=best.variant.digest, time_us=best.outcome.time_us,
-            default_time_us=default.outcome.time_us, copy_time_us=copy.median_us,
+            default_time_us=default.outcome.time_us, copy_time_us=copy_us,
             launches=launches_text(best.variant), autosoft_version=__version__, created=time.time()))
     report.seconds = time.perf_counter() - start
     return report
 
 
-def print_progress(stream=sys.stderr) -> ProgressFn:
+def _evaluate(family: Family, worker: GpuWorker, pool: cf.ProcessPoolExecutor, variant: Variant,
+              seed: int, timeout_s: float) -> Measured:
+    result = pool.submit(compile_source, variant.source, variant.target.arch).result()
+    return Measured(variant, _outcome(family, worker, variant, result, seed, timeout_s))
+
+
+def _outcome(family: Family, worker: GpuWorker, variant: Variant, result: CompileResult, seed: int,
+             timeout_s: float) -> Outcome:
+    if not result.ok:
+        first = next((line for line in result.log.splitlines() if "error" in line), result.log.strip()[:200])
+        return Outcome(Status.COMPILE_FAIL, message=first)
+    return worker.evaluate(family, variant, result.cubin, seed, timeout_s)
+
+
+def _record(cache: Cache, problem: Problem, device: DeviceInfo, m: Measured) -> None:
+    cache.record_trials([{
+        "family": problem.family, "dtype": problem.dtype, "shape": problem.shape_text, "gpu_name": device.name,
+        "variant_name": m.variant.name, "params": dict(m.variant.params), "status": m.outcome.status.value,
+        "time_us": m.outcome.time_us, "message": m.outcome.message}])
+
+
+def _delete_study(storage: str, name: str) -> None:
+    import optuna
+
+    try:
+        optuna.delete_study(study_name=name, storage=storage)
+    except KeyError:
+        pass  # no earlier study of this name
+
+
+def print_progress(stream: Any = sys.stderr) -> ProgressFn:
     def show(n: int, total: int, best: Measured | None, last: Measured) -> None:
         width = 24
-        filled = int(width * n / max(1, total))
+        filled = int(width * min(n, total) / max(1, total))
         best_text = f"best {best.outcome.time_us:9.2f} us {best.variant.name}" if best else "no correct variant yet"
-        line = f"\r[{'#' * filled}{'.' * (width - filled)}] trial {n}/{total}  {best_text}"
-        stream.write(line[:160].ljust(160) if stream.isatty() else line.lstrip("\r") + "\n")
-        if n == total and stream.isatty():
-            stream.write("\n")
+        last_text = "" if last.outcome.ok else f"  (last: {last.outcome.status.value})"
+        line = f"[{'#' * filled}{'.' * (width - filled)}] trial {n}/{total}  {best_text}{last_text}"
+        if stream.isatty():
+            stream.write("\r" + line[:150].ljust(150) + ("\n" if n >= total else ""))
+        else:
+            stream.write(line + "\n")
         stream.flush()
 
     return show

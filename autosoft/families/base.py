@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from ..compile import source_digest
@@ -96,12 +97,20 @@ class Family(Protocol):
 
 
 def space_of(family: Family) -> SearchSpace:
-    return _load_space_cached(family.name)
+    """A family's search space: search_spaces/<name>.yaml, or the family's own `space_file`."""
+    path = getattr(family, "space_file", None)
+    return _load_space_cached(family.name, str(path) if path else None)
 
 
 @lru_cache(maxsize=None)
-def _load_space_cached(name: str) -> SearchSpace:
-    return load_space(name)
+def _load_space_cached(name: str, path: str | None) -> SearchSpace:
+    return load_space(name, Path(path) if path else None)
+
+
+def template_root(family: Family) -> str | None:
+    """None for shipped families (templates/), else the folder a family brings its template in."""
+    root = getattr(family, "template_root", None)
+    return str(root) if root else None
 
 
 def build_variant(family: Family, problem: Problem, params: Mapping[str, Any], target: Target) -> Variant:
@@ -119,13 +128,13 @@ def build_variant(family: Family, problem: Problem, params: Mapping[str, Any], t
     launches, workspace = family.launches(problem, values, target)
     args = {**family.template_args(problem, values), "name": name,
             "kernel_names": [l.kernel for l in launches]}
-    source = render(family.template, args)
+    source = render(family.template, args, template_root(family))
     return Variant(family.name, problem, target, checked, name, source, launches, workspace,
                    tuple(l.kernel for l in launches))
 
 
 def family_template_digest(family: Family) -> str:
-    return template_digest(family.template)
+    return template_digest(family.template, template_root(family))
 
 
 def check_dtype(dtype: str) -> str:
