@@ -46,7 +46,7 @@ def test_sampled_variants_are_correct(shape, dtype):
         variant = build_variant(family, problem, params, _device().target)
         result = compile_source(variant.source, variant.target.arch)
         assert result.ok, result.log
-        wrong = verify(LoadedVariant(variant, result.cubin), seed=7)
+        wrong = verify(family, LoadedVariant(variant, result.cubin), seed=7)
         if wrong:
             failures.append(f"{variant.name}: {wrong}")
     assert not failures, "\n".join(failures)
@@ -82,7 +82,7 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     assert entry.variant_name == report.best.variant.name
     # the stored variant re-verifies on fresh inputs
     variant = build_variant(family, problem, entry.params, _device().target)
-    outcome = evaluate(variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
+    outcome = evaluate(family, variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
     assert outcome.ok, outcome.message
 
 
