@@ -177,6 +177,22 @@ def test_seeds_are_returned_as_the_declared_valid_point():
 
 # --- the tuning loop, with a stand-in GPU ----------------------------------------------------------
 
+class _closing_pools:
+    """Wraps tune.compile_pool for one test and shuts the pools it made down afterwards."""
+
+    def __init__(self, make):
+        self._make = getattr(make, "__wrapped__", make)
+        self._pools = {}
+
+    def __call__(self, workers):
+        if workers not in self._pools:
+            self._pools[workers] = self._make(workers)
+        return self._pools[workers]
+
+    def close(self):
+        for pool in self._pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+
 def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
     """tune() compiles for real (NVRTC) and asks a fake device for verification and times: it runs
     exactly the requested trials, starts with the default, logs every outcome, and stores the fastest
@@ -185,7 +201,6 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
     import types
 
     import autosoft.tune as tune_module
-    from autosoft.cache import Cache
     from autosoft.evaluate import Outcome, Status
     from autosoft.runtime import DeviceInfo
 
@@ -204,8 +219,41 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
         return Outcome(Status.OK, time_us=10.0 + digest % 1000 / 10 + slow_down["by"])
 
     monkeypatch.setattr(tune_module, "device_info", lambda index=None: device)
-    monkeypatch.setattr(tune_module, "evaluate", fake_evaluate)
-    monkeypatch.setattr(tune_module, "time_copy", lambda *a, **k: types.SimpleNamespace(median_us=5.0))
+    if hasattr(tune_module, "GpuWorker"):  # candidates run in a GPU worker process
+        class FakeWorker:
+            restarts = 0
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def evaluate(self, family, variant, cubin, seed, timeout_s):
+                return fake_evaluate(variant, cubin, seed)
+
+            def time_copy(self, nbytes_each_way, l2_bytes, timeout_s=120.0):
+                return 5.0
+
+        monkeypatch.setattr(tune_module, "GpuWorker", FakeWorker)
+    else:  # candidates run in this process
+        monkeypatch.setattr(tune_module, "evaluate", fake_evaluate)
+        monkeypatch.setattr(tune_module, "time_copy", lambda *a, **k: types.SimpleNamespace(median_us=5.0))
+    pools = None
+    if hasattr(tune_module, "compile_pool"):  # a pool kept for the session: shut it down after this test
+        pools = _closing_pools(tune_module.compile_pool)
+        monkeypatch.setattr(tune_module, "compile_pool", pools)
+    try:
+        _check_tune_loop(tune_module, device, evaluated, slow_down, tmp_path)
+    finally:
+        if pools is not None:
+            pools.close()
+
+
+def _check_tune_loop(tune_module, device, evaluated, slow_down, tmp_path):
+    from autosoft.cache import Cache
+    from autosoft.evaluate import Status
+
     family = get_family("softmax")
     problem = family.problem("64x4096", "float16")
     cache = Cache(tmp_path / "k.sqlite")
