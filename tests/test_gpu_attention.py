@@ -1,0 +1,154 @@
+"""GPU tier for the attention family: sampled variants against the float64 reference, torch SDPA, a short tune."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import random
+
+import numpy as np
+import pytest
+
+from autosoft.cache import Cache
+from autosoft.compile import compile_source
+from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
+from autosoft.families import get_family
+from autosoft.families.base import build_variant, space_of
+
+pytestmark = pytest.mark.gpu
+
+FAMILY = get_family("attention")
+
+# (B, H, N, D): a single query, tails of every tile size, several tiles, head dims 32/64/128
+SHAPES = [(1, 1, 1, 64), (2, 3, 17, 64), (1, 4, 1000, 128), (1, 2, 3333, 64), (2, 2, 1000, 32),
+          (1, 2, 256, 128), (1, 1, 4097, 128)]
+
+
+def _target():
+    from autosoft.runtime import device_info
+
+    return device_info().target
+
+
+def _sample(problem, k: int, seed: int) -> list[dict]:
+    target = _target()
+    valid = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target))
+    picks = [FAMILY.default_params(problem, target), *FAMILY.seed_params(problem, target)]
+    picks += random.Random(seed).sample(valid, min(k, len(valid)))
+    unique = []
+    for p in picks:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+def _compiled(variants):
+    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
+        return list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sampled_variants_are_correct(shape, dtype, causal):
+    from autosoft.runtime import LoadedVariant
+
+    problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
+    variants = [build_variant(FAMILY, problem, p, _target())
+                for p in _sample(problem, 3, seed=sum(shape) * 7 + len(dtype) + causal)]
+    failures = []
+    for variant, result in zip(variants, _compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        wrong = verify(LoadedVariant(variant, result.cubin), seed=11)
+        if wrong:
+            failures.append(f"{variant.name}: {wrong}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_fills_the_gpu_and_is_correct(d, dtype, causal):
+    """B*H = 128 heads of 2048 queries: thousands of blocks, every SM busy, causal tiles of every length."""
+    problem = FAMILY.problem(f"4,32,2048,{d}", dtype, ("causal",) if causal else ())
+    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
+    assert variant.launches[0].grid[0] * 4 * 32 >= 4 * _target().sm_count
+    outcome = evaluate(variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)
+    assert outcome.ok, f"{variant.name}: {outcome.message}"
+
+
+def test_every_variant_of_a_tail_problem_is_correct():
+    """All valid points for one awkward shape (N not a multiple of any tile), causal."""
+    from autosoft.runtime import LoadedVariant
+
+    problem = FAMILY.problem("1,2,555,64", "bfloat16", ("causal",))
+    points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
+    variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
+    failures = []
+    for variant, result in zip(variants, _compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        wrong = verify(LoadedVariant(variant, result.cubin), seed=3)
+        if wrong:
+            failures.append(f"{variant.name}: {wrong}")
+    assert not failures, "\n".join(failures)
+
+
+def test_scale_is_a_runtime_argument():
+    import cupy as cp
+
+    from autosoft.runtime import LoadedVariant
+
+    problem = FAMILY.problem("1,2,300,64", "float16", ("causal",))
+    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
+    loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
+    for scale in (0.05, 0.125, 1.0):
+        inputs = {**FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(2)), "scale": np.float32(scale)}
+        outputs = allocate_outputs(variant, cp)
+        loaded.launch({**inputs, **outputs})
+        assert FAMILY.check(problem, inputs, outputs, cp) is None, scale
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 4, 1000, 64), (1, 8, 777, 128), (3, 2, 64, 32)], ids=lambda s: "x".join(map(str, s)))
+def test_matches_torch_sdpa(shape, dtype, causal):
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+
+    from autosoft.runtime import LoadedVariant
+
+    problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
+    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
+    loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(shape, device="cuda", generator=gen).to(tdtype) for _ in range(3))
+    o = torch.empty_like(q)
+    lse = torch.empty(shape[:3], device="cuda", dtype=torch.float32)
+    scale = 1 / math.sqrt(shape[3])
+    torch.cuda.synchronize()
+    loaded.launch({"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
+                   "lse": lse.data_ptr(), "scale": np.float32(scale)})
+    cp.cuda.runtime.deviceSynchronize()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    tol = {"float16": 4e-3, "bfloat16": 2e-2}[dtype]
+    torch.testing.assert_close(o.float(), ref.float(), atol=tol, rtol=tol)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(shape[2], shape[2], device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), atol=1e-3, rtol=1e-4)
+
+
+def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
+    from autosoft.tune import tune
+
+    problem = FAMILY.problem("2,8,1024,64", "bfloat16", ("causal",))
+    cache = Cache(cache_dir / "k.sqlite")
+    report = tune("attention", problem, 10, cache, seed=1)
+    assert report.best is not None and report.best.outcome.status is Status.OK
+    assert report.default.outcome.ok
+    assert report.best.outcome.time_us <= report.default.outcome.time_us
+    (entry,) = cache.entries()
+    assert entry.key.shape == "2x8x1024x64+causal" and entry.variant_name == report.best.variant.name
+    variant = build_variant(FAMILY, problem, entry.params, _target())
+    outcome = evaluate(variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
+    assert outcome.ok, outcome.message
