@@ -12,6 +12,7 @@ import json
 import os
 import sqlite3
 import time
+import urllib.parse
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,6 +96,8 @@ class Cache:
         if self.path.exists():
             if not self.path.is_file():
                 raise UserError(f"cache {self.path}: is not a file; pass --cache with a file path")
+            if create and self._is_blank():
+                self._create()  # another process is creating it right now, or it was left empty
             self._validate()
         elif not create:
             raise UserError(f"cache {self.path}: no such file")
@@ -104,7 +107,7 @@ class Cache:
     # -- opening -----------------------------------------------------------------------
     def _connect(self, readonly: bool = False) -> sqlite3.Connection:
         if readonly:
-            uri = f"file:{self.path.resolve()}?mode=ro"
+            uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"  # '#', '?' in paths
             conn = sqlite3.connect(uri, uri=True, timeout=60)
         else:
             conn = sqlite3.connect(self.path, timeout=60)
@@ -134,12 +137,24 @@ class Cache:
         except sqlite3.DatabaseError as exc:
             raise UserError(f"{where}: unreadable ({exc}); the file was left as it is") from None
 
+    def _is_blank(self) -> bool:
+        """An empty file or an SQLite database without a single table: nothing in it to lose."""
+        if self.path.stat().st_size == 0:
+            return True
+        try:
+            with closing(self._connect(readonly=True)) as conn:
+                return conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+        except sqlite3.DatabaseError:
+            return False  # not SQLite at all: _validate says so
+
     def _create(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as conn, conn:
-            conn.executescript(_SCHEMA)
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('app', ?)", (APP_ID,))
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        # one transaction: a concurrent opener sees either nothing or the whole schema with its meta rows
+        with closing(self._connect()) as conn:
+            conn.executescript(
+                "BEGIN IMMEDIATE;" + _SCHEMA
+                + f"INSERT OR IGNORE INTO meta VALUES ('app', '{APP_ID}');"
+                + f"INSERT OR IGNORE INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}');COMMIT;")
 
     # -- entries -----------------------------------------------------------------------
     def put(self, entry: Entry) -> bool:

@@ -89,7 +89,8 @@ ProgressFn = Callable[[int, int, "Measured | None", "Measured"], None]
 
 def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, seed: int = 0,
          progress: ProgressFn | None = None, workers: int | None = None, resume: bool = False,
-         watchdog: Watchdog = Watchdog()) -> TuneReport:
+         watchdog: Watchdog = Watchdog(), worker: GpuWorker | None = None) -> TuneReport:
+    """Tune one problem. A caller tuning many problems may pass its own GpuWorker to reuse it."""
     start = time.perf_counter()
     family = get_family(family) if isinstance(family, str) else family
     device = device_info()
@@ -112,7 +113,10 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
     default = next((m for m in measured if dict(m.variant.params) == default_params), None)
     launches = len(family.input_kinds) + _WARMUP + _REPS
 
-    with GpuWorker() as worker:
+    own_worker = worker is None
+    worker = worker or GpuWorker()
+    restarts_before = worker.restarts
+    try:
         if default is None:  # the default is measured first: it sets the watchdog and the baseline
             default = _evaluate(family, worker, pool, build_variant(family, problem, default_params, target),
                                 seed, watchdog.cap_s)
@@ -150,7 +154,10 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
             if progress:
                 progress(len(measured), trials, best, m)
         copy_us = worker.time_copy(family.bytes_moved(problem) // 2, target.l2_bytes)
-        restarts = worker.restarts
+        restarts = worker.restarts - restarts_before
+    finally:
+        if own_worker:
+            worker.stop()
 
     report = TuneReport(problem, device, best, default, copy_us, measured, resumed, worker_restarts=restarts)
     if best is not None:

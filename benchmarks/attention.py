@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import math
+import multiprocessing as mp
 import sys
 import time
 import traceback
@@ -132,7 +133,7 @@ def bench_one(torch, problem: Problem, cache: Cache | None, trials: int, seed: i
     loaded, source = autosoft_variant(problem, cache, trials, seed)
     row.update(variant=loaded.variant.name, params=dict(loaded.variant.params), source=source,
                tune_s=round(time.perf_counter() - t0, 2))
-    wrong = verify(loaded, seed=seed + 1)
+    wrong = verify(FAMILY, loaded, seed=seed + 1)
     row["verified"] = wrong is None
     if wrong:
         row["verify_error"] = wrong
@@ -161,7 +162,7 @@ def sweep_one(problem: Problem, reps: int, verify_top: int = 3) -> dict:
     device = device_info()
     points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, device.target))
     variants = [build_variant(FAMILY, problem, p, device.target) for p in points]
-    with cf.ProcessPoolExecutor(max_workers=min(16, len(variants))) as pool:
+    with cf.ProcessPoolExecutor(max_workers=min(16, len(variants)), mp_context=mp.get_context("spawn")) as pool:
         results = list(pool.map(compile_source, [v.source for v in variants], [v.target.arch for v in variants]))
     inputs = Inputs(None, problem)
     timed = []
@@ -174,7 +175,7 @@ def sweep_one(problem: Problem, reps: int, verify_top: int = 3) -> dict:
                       "loaded": loaded})
     ok = sorted((t for t in timed if "us" in t), key=lambda t: t["us"])
     for t in ok[:verify_top]:
-        wrong = verify(t["loaded"], seed=1)
+        wrong = verify(FAMILY, t["loaded"], seed=1)
         t["verified"] = wrong is None
         if wrong:
             t["verify_error"] = wrong

@@ -28,20 +28,21 @@ from autosoft.families.base import build_variant  # noqa: E402
 from autosoft.runtime import LoadedVariant, device_info  # noqa: E402
 from autosoft.timing import rotation_count, time_copy, time_gpu  # noqa: E402
 from autosoft.tune import tune  # noqa: E402
+from autosoft.worker import GpuWorker  # noqa: E402
 
 SWEEP = [(4096, n) for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)] + [
     (1024, 32768), (65536, 64), (32, 131072), (8, 262144), (1, 1048576), (16384, 4000), (4096, 50257)]
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def tuned_variant(problem, cache: Cache, trials: int, seed: int):
+def tuned_variant(problem, cache: Cache, trials: int, seed: int, worker: GpuWorker):
     """The cached variant for this problem, tuning it first when the cache has none."""
     family = get_family("softmax")
     device = device_info()
     entry = cache.get(cache_key(problem, device))
     tuned_now = entry is None
     if entry is None:
-        tune("softmax", problem, trials, cache, seed=seed)
+        tune("softmax", problem, trials, cache, seed=seed, worker=worker)
         entry = cache.get(cache_key(problem, device))
     if entry is None:
         raise RuntimeError(f"tuning found no correct variant for {problem}")
@@ -50,7 +51,7 @@ def tuned_variant(problem, cache: Cache, trials: int, seed: int):
     return LoadedVariant(variant, result.cubin), tuned_now
 
 
-def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int) -> dict:
+def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, worker: GpuWorker) -> dict:
     from triton_softmax import TritonSoftmax
 
     m, n = problem.shape
@@ -64,7 +65,7 @@ def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int) -
     row = {"shape": problem.shape_text, "dtype": problem.dtype, "bytes": nbytes}
 
     t0 = time.perf_counter()
-    loaded, tuned_now = tuned_variant(problem, cache, trials, seed)
+    loaded, tuned_now = tuned_variant(problem, cache, trials, seed, worker)
     row.update(variant=loaded.variant.name, tuned_now=tuned_now, tune_s=round(time.perf_counter() - t0, 2))
     copy = time_copy(nbytes // 2, device.target.l2_bytes, reps)
     row["copy_us"] = copy.median_us
@@ -127,11 +128,12 @@ def main() -> int:
     cache = Cache(args.cache)
     device = device_info()
     rows = []
+    worker = GpuWorker()  # one tuning worker for the whole sweep
     for shape in shapes:
         for dtype in args.dtypes.split(","):
             problem = family.problem("x".join(map(str, shape)), dtype)
             try:
-                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps))
+                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, worker))
             except Exception as exc:  # noqa: BLE001 - one broken shape must not end the sweep
                 traceback.print_exc()
                 rows.append({"shape": problem.shape_text, "dtype": dtype, "error": str(exc)})
@@ -141,6 +143,7 @@ def main() -> int:
                 f"copy {r['copy_us']:8.2f}  autosoft {r['autosoft_us']:8.2f} ({r['autosoft_pct_copy']:5.1f}%)  "
                 f"torch {r['torch_us']:8.2f}  triton {r['triton_us'] or float('nan'):8.2f}  [{r['variant']}]"
                 if "error" not in r else f"ERROR {r['error']}"), flush=True)
+    worker.stop()
     overhead = host_overhead(torch)
     result = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
               "torch": torch.__version__, "rows": rows, "host_overhead": overhead}

@@ -115,21 +115,27 @@ class SoftmaxFamily:
         return self._first_valid(problem, target, p)
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Neighbours of the default that are often better: the tuner tries these first."""
+        """Structured starting points the tuner measures first: the row held in registers by
+        groups of every size, cluster splits, and two-launch splits for few wide rows."""
         base = self.default_params(problem, target)
-        seeds = []
-        cluster = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "combine": "cluster",
-                   "persistent": False}
-        for change in ({"storage": "smem", "normalise": "online", "unroll": 2},
-                       {**cluster, "split": 8, "threads": 1024, "row_threads": 1024},
-                       {**cluster, "split": 8, "threads": 512, "row_threads": 512},
-                       {**cluster, "split": 4, "threads": 512, "row_threads": 512},
-                       {"persistent": True}, {"streaming": True},
-                       {"row_threads": max(1, int(base["row_threads"]) // 2)},
-                       {"row_threads": min(1024, int(base["row_threads"]) * 2),
-                        "threads": max(int(base["threads"]), min(1024, int(base["row_threads"]) * 2))}):
+        on_chip = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "split": 1,
+                   "combine": "launches", "persistent": False}
+        changes: list[dict[str, ParamValue]] = [
+            {"storage": "smem", "normalise": "online", "unroll": 2}, {"persistent": True}, {"streaming": True}]
+        for g in (8, 16, 32, 64, 128, 256, 512, 1024):
+            changes.append({**on_chip, "row_threads": g, "threads": max(g, 128)})
+        for split in (2, 4, 8):
+            for threads in (256, 512, 1024):
+                changes.append({**on_chip, "combine": "cluster", "split": split, "threads": threads,
+                                "row_threads": threads})
+        if problem.shape[0] * 4 < target.sm_count:
+            for split in (32, 64, 128, 256):
+                changes.append({"storage": "reread", "normalise": "online", "unroll": 4, "combine": "launches",
+                                "split": split, "threads": 512, "row_threads": 512, "persistent": False})
+        seeds: list[dict[str, ParamValue]] = []
+        for change in changes:
             candidate = {**base, **change}
-            if self.is_valid(problem, target, candidate):
+            if candidate != base and candidate not in seeds and self.is_valid(problem, target, candidate):
                 seeds.append(candidate)
         return seeds
 
