@@ -103,8 +103,9 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
         _delete_study(storage, name)
     search = Search(space, valid, seeds=[default_params, *family.seed_params(problem, target)], seed=seed,
                     storage=storage, study_name=name)
-    pool = compile_pool(workers or max(1, min(8, (os.cpu_count() or 2) - 1)))
-    depth = 2 * pool._max_workers  # compiles kept ahead of the GPU
+    workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1))
+    pool = compile_pool(workers)
+    depth = 2 * workers  # compiles kept ahead of the GPU
 
     measured = [Measured(build_variant(family, problem, p, target), Outcome(Status(status), t))
                 for p, t, status in search.finished()]

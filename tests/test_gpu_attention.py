@@ -58,7 +58,7 @@ def test_sampled_variants_are_correct(shape, dtype, causal):
     failures = []
     for variant, result in zip(variants, _compiled(variants)):
         assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(LoadedVariant(variant, result.cubin), seed=11)
+        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=11)
         if wrong:
             failures.append(f"{variant.name}: {wrong}")
     assert not failures, "\n".join(failures)
@@ -72,7 +72,7 @@ def test_default_fills_the_gpu_and_is_correct(d, dtype, causal):
     problem = FAMILY.problem(f"4,32,2048,{d}", dtype, ("causal",) if causal else ())
     variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
     assert variant.launches[0].grid[0] * 4 * 32 >= 4 * _target().sm_count
-    outcome = evaluate(variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)
+    outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)
     assert outcome.ok, f"{variant.name}: {outcome.message}"
 
 
@@ -86,7 +86,7 @@ def test_every_variant_of_a_tail_problem_is_correct():
     failures = []
     for variant, result in zip(variants, _compiled(variants)):
         assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(LoadedVariant(variant, result.cubin), seed=3)
+        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=3)
         if wrong:
             failures.append(f"{variant.name}: {wrong}")
     assert not failures, "\n".join(failures)
@@ -102,7 +102,7 @@ def test_scale_is_a_runtime_argument():
     loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
     for scale in (0.05, 0.125, 1.0):
         inputs = {**FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(2)), "scale": np.float32(scale)}
-        outputs = allocate_outputs(variant, cp)
+        outputs = allocate_outputs(FAMILY, variant, cp)
         loaded.launch({**inputs, **outputs})
         assert FAMILY.check(problem, inputs, outputs, cp) is None, scale
 
@@ -150,5 +150,5 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     (entry,) = cache.entries()
     assert entry.key.shape == "2x8x1024x64+causal" and entry.variant_name == report.best.variant.name
     variant = build_variant(FAMILY, problem, entry.params, _target())
-    outcome = evaluate(variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
+    outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
     assert outcome.ok, outcome.message
