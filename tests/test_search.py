@@ -229,6 +229,12 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
             def __exit__(self, *exc):
                 return False
 
+            def start(self):
+                pass
+
+            def stop(self):
+                pass
+
             def evaluate(self, family, variant, cubin, seed, timeout_s):
                 return fake_evaluate(variant, cubin, seed)
 
