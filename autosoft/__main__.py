@@ -1,3 +1,4 @@
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # spawned helper processes import this module without running the CLI
+    raise SystemExit(main())

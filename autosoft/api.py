@@ -37,7 +37,7 @@ def _softmax_torch(x: Any, torch: Any) -> Any:
     if (xp - yp) % _VEC_ALIGN:
         y = _empty_aligned_like_torch(x)
         yp = y.data_ptr()
-    _launch_on(loaded, {"x": xp, "y": yp}, _torch_stream(torch, key[2]))
+    loaded.launch_raw({"x": xp, "y": yp}, _torch_stream(torch, key[2]))
     return y
 
 
@@ -57,26 +57,14 @@ def _softmax_torch_checked(x: Any, torch: Any) -> Any:
     loaded = _loaded(_problem(dtype, tuple(x.shape)), device)
     DISPATCHER.fast[(x.dtype, x.shape, device)] = loaded
     y = _empty_aligned_like_torch(x)
-    _launch_on(loaded, {"x": x.data_ptr(), "y": y.data_ptr()}, _torch_stream(torch, device))
+    loaded.launch_raw({"x": x.data_ptr(), "y": y.data_ptr()}, _torch_stream(torch, device))
     return y
 
 
 def _torch_stream(torch: Any, device: int) -> int:
-    try:  # the raw handle without building a torch Stream object (Triton reads it the same way)
-        return torch._C._cuda_getCurrentRawStream(device)
-    except AttributeError:  # pragma: no cover - older or newer torch
-        return torch.cuda.current_stream(device).cuda_stream
-
-
-def _launch_on(loaded: Any, values: dict, stream_ptr: int) -> None:
-    from .runtime import cupy_module
-
-    cp = cupy_module()
-    if cp.cuda.runtime.getDevice() == loaded.device:
-        loaded.launch_raw(values, stream_ptr)
-    else:
-        with cp.cuda.Device(loaded.device):
-            loaded.launch_raw(values, stream_ptr)
+    # the raw handle without building a torch Stream object (Triton reads it the same way)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
 
 
 def _loaded(problem: Problem, device: int) -> Any:

@@ -19,7 +19,7 @@ from .compile import compile_source
 from .errors import UserError
 from .evaluate import verify
 from .families import get_family
-from .families.base import Problem, Target, Variant, build_variant, family_template_digest, space_of
+from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
 from .runtime import DeviceInfo, LoadedVariant, device_info
 
 _VERIFY_ROWS = 256  # rows used to check a borrowed variant on a new shape
@@ -131,8 +131,9 @@ def _verify_on_shape(variant: Variant) -> None:
                            f"{wrong}; re-tune this shape with `autosoft tune`")
 
 
-def cache_key(problem: Problem, device: DeviceInfo) -> CacheKey:
-    family = get_family(problem.family)
+def cache_key(problem: Problem, device: DeviceInfo, family: Family | None = None) -> CacheKey:
+    """The key a tuned variant for this problem is stored under (family: when not a registered one)."""
+    family = family or get_family(problem.family)
     return CacheKey(problem.family, problem.dtype, problem.shape_text, device.name, device.compute_capability,
                     device.cuda_version, family_template_digest(family), space_of(family).digest)
 

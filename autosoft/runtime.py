@@ -99,11 +99,19 @@ class LoadedVariant:
         self.launch_raw(values, stream_ptr)
 
     def launch_raw(self, values: Mapping[str, Any], stream_ptr: int) -> None:
+        """Launch with device pointers (ints) and scalars, on a raw stream handle."""
         if self.variant.workspace_bytes:
             values = {**values, "workspace": self._workspace(stream_ptr)}
-        with self._lock:
-            for launch in self._launches:
-                launch(values, stream_ptr)
+        try:
+            with self._lock:
+                for launch in self._launches:
+                    launch(values, stream_ptr)
+        except _driver().CUDADriverError:
+            cp = cupy_module()
+            if cp.cuda.runtime.getDevice() == self.device:
+                raise
+            with cp.cuda.Device(self.device):  # called while another device was current
+                self.launch_raw(values, stream_ptr)
 
     def _workspace(self, stream_ptr: int) -> int:
         ws = self._workspaces.get(stream_ptr)

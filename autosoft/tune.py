@@ -9,6 +9,7 @@ variant can become the cache entry.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
@@ -72,8 +73,8 @@ def study_storage(cache: Cache) -> str:
     return f"sqlite:///{cache.path.parent / (cache.path.stem + '-studies.sqlite')}"
 
 
-def study_name(problem: Problem, device: DeviceInfo) -> str:
-    key = cache_key(problem, device)
+def study_name(family: Family, problem: Problem, device: DeviceInfo) -> str:
+    key = cache_key(problem, device, family)
     return "/".join((key.family, key.dtype, key.shape, key.gpu_name, key.compute_capability, key.cuda_version,
                      key.template_digest[:16], key.space_digest[:16]))
 
@@ -81,7 +82,9 @@ def study_name(problem: Problem, device: DeviceInfo) -> str:
 @lru_cache(maxsize=1)
 def compile_pool(workers: int) -> cf.ProcessPoolExecutor:
     """One pool of compiler processes per session (spawned: never forked from a CUDA process)."""
-    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    atexit.register(pool.shutdown)
+    return pool
 
 
 ProgressFn = Callable[[int, int, "Measured | None", "Measured"], None]
@@ -98,7 +101,7 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
     space = space_of(family)
     valid = space.valid_points(family.problem_values(problem, target))
     default_params = family.default_params(problem, target)
-    storage, name = study_storage(cache), study_name(problem, device)
+    storage, name = study_storage(cache), study_name(family, problem, device)
     if not resume:
         _delete_study(storage, name)
     search = Search(space, valid, seeds=[default_params, *family.seed_params(problem, target)], seed=seed,
@@ -163,7 +166,7 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
     report = TuneReport(problem, device, best, default, copy_us, measured, resumed, worker_restarts=restarts)
     if best is not None:
         report.stored = cache.put(Entry(
-            key=cache_key(problem, device), variant_name=best.variant.name, params=dict(best.variant.params),
+            key=cache_key(problem, device, family), variant_name=best.variant.name, params=dict(best.variant.params),
             source_digest=best.variant.digest, time_us=best.outcome.time_us,
             default_time_us=default.outcome.time_us, copy_time_us=copy_us,
             launches=launches_text(best.variant), autosoft_version=__version__, created=time.time()))
