@@ -3,7 +3,8 @@
 q, k, v are contiguous (B, H, N, D) arrays; the outputs are o (B, H, N, D, the input dtype) and
 lse (B, H, N, float32): the natural log of the sum of exp(scale * q.k) over each query's keys.
 Problem.flags == ("causal",) masks keys after the query. The scale (default 1/sqrt(D)) is a
-kernel argument, bound at run time from the buffer named "scale" (a numpy float32).
+kernel argument, bound at run time from the buffer named "scale" (a numpy float32); it must be
+positive, since the kernel tracks the running max of the unscaled scores q.k.
 """
 from __future__ import annotations
 
