@@ -59,10 +59,10 @@ class Search:
     def ask(self) -> Proposal | None:
         """The next untried valid point, or None when every valid point has been tried."""
         while self._pending_seeds:
-            seed = self._pending_seeds.pop(0)
-            if not self._tried[self._row[self._key(seed)]]:
-                self._tried[self._row[self._key(seed)]] = True
-                return Proposal(seed, True)
+            row = self._row[self._key(self._pending_seeds.pop(0))]
+            if not self._tried[row]:
+                self._tried[row] = True
+                return Proposal(dict(self._valid[row]), True)  # the declared values, not the caller's
         if self.exhausted:
             return None
         trial = self.study.ask(self._distributions)

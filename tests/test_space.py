@@ -143,9 +143,12 @@ def test_expression_names_and_evaluation():
     assert compile_expression("log2(1024)", "w").evaluate({}) == 10
     assert compile_expression("is_pow2(a) and not is_pow2(b)", "w").evaluate({"a": 64, "b": 0}) is True
     assert compile_expression("is_pow2(a)", "w").evaluate({"a": 96}) is False
-    # builtins are out of reach even through a name the whitelist lets through
-    with pytest.raises(NameError):
+    # builtins are out of reach even through a name the whitelist lets through; an unknown name
+    # (a typo in a YAML file) is a UserError that names the expression
+    with pytest.raises(UserError, match="'len'"):
         compile_expression("len", "w").evaluate({})
+    with pytest.raises(UserError):
+        compile_expression("2 ** 40", "w")  # no power operator: 2**2**40 would never finish
 
 
 def test_the_shipped_space_parses_and_names_its_parameters():
