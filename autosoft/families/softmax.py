@@ -65,6 +65,8 @@ class SoftmaxFamily:
             name += f"_{'cluster' if p['combine'] == 'cluster' else 'split'}{p['split']}"
         if p["persistent"]:
             name += "_persistent"
+        if p["prefetch"]:
+            name += "_prefetch"
         if p["streaming"]:
             name += "_cs"
         return name
@@ -99,7 +101,7 @@ class SoftmaxFamily:
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
             "normalise": "three_pass", "reduce": "shuffle", "split": 1, "combine": "launches", "persistent": False,
-            "streaming": False,
+            "streaming": False, "prefetch": False,
         }
         if vectors <= 32:
             p["row_threads"] = max(vec, _pow2_ceil(vectors))
@@ -120,8 +122,11 @@ class SoftmaxFamily:
         base = self.default_params(problem, target)
         on_chip = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "split": 1,
                    "combine": "launches", "persistent": False}
-        changes: list[dict[str, ParamValue]] = [
-            {"storage": "smem", "normalise": "online", "unroll": 2}, {"persistent": True}, {"streaming": True}]
+        staged = {"storage": "smem", "normalise": "three_pass", "unroll": 1, "split": 1, "combine": "launches"}
+        changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
+        for g in (256, 512, 1024):
+            changes.append({**staged, "row_threads": g, "threads": g})
+            changes.append({**staged, "row_threads": g, "threads": g, "persistent": True, "prefetch": True})
         for g in (8, 16, 32, 64, 128, 256, 512, 1024):
             changes.append({**on_chip, "row_threads": g, "threads": max(g, 128)})
         for split in (2, 4, 8):
