@@ -1,8 +1,12 @@
-"""The Python API: autosoft.softmax(x) for CuPy arrays and CUDA tensors (torch, any DLPack producer)."""
+"""The Python API: autosoft.softmax(x) and autosoft.attention(q, k, v) for CuPy arrays and CUDA
+torch tensors (softmax also takes any DLPack CUDA producer)."""
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
+
+import numpy as np
 
 from .dispatch import DISPATCHER
 from .errors import UserError
@@ -141,6 +145,72 @@ def _empty_aligned_like_cupy(cp: Any, x: Any) -> Any:
     flat = cp.empty(x.size + _VEC_ALIGN // x.itemsize, dtype=x.dtype)
     start = misalign // x.itemsize
     return flat[start:start + x.size].reshape(x.shape)
+
+
+def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False) -> Any:
+    """softmax(scale * q kᵀ [causal]) v for (B, H, N, D) q, k, v: CUDA torch tensors (float16,
+    bfloat16) or CuPy float16 arrays, one shape, D in 32, 64, 128. Returns o like q, or (o, lse)
+    with return_lse=True: lse (B, H, N) float32, the natural log-sum-exp of each query's scores.
+    Inputs that are not contiguous or 16-byte aligned are copied first."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(q, torch.Tensor):
+        return _attention_torch(torch, q, k, v, causal, scale, return_lse)
+    from .runtime import cupy_module
+
+    cp = cupy_module()
+    if not all(isinstance(t, cp.ndarray) for t in (q, k, v)):
+        raise TypeError("autosoft.attention: q, k, v must be CUDA torch tensors or CuPy arrays")
+    if str(q.dtype) != "float16" or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError("autosoft.attention: CuPy arrays must be float16 (bfloat16 through torch tensors)")
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError("autosoft.attention: q, k, v must be (B, H, N, D) arrays of one shape")
+    scale = _attention_scale(scale, q.shape[3])
+    with q.device:
+        o = cp.empty(q.shape, dtype=q.dtype)
+        lse = cp.empty(q.shape[:3], dtype=cp.float32)
+        if q.size:
+            q, k, v = (t if t.flags.c_contiguous and t.data.ptr % 16 == 0 else t.copy() for t in (q, k, v))
+            loaded = _loaded(_attention_problem("float16", q.shape, causal), q.device.id)
+            loaded.launch({"q": q, "k": k, "v": v, "o": o, "lse": lse, "scale": np.float32(scale)})
+    return (o, lse) if return_lse else o
+
+
+def _attention_torch(torch: Any, q: Any, k: Any, v: Any, causal: bool, scale: float | None, return_lse: bool) -> Any:
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v)):
+        raise TypeError("autosoft.attention: q, k, v must all be CUDA tensors (move them with .cuda())")
+    names = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    if q.dtype not in names or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"autosoft.attention: q, k, v must share dtype float16 or bfloat16, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype} (convert with .half() or .bfloat16())")
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape or len({t.device for t in (q, k, v)}) != 1:
+        raise ValueError("autosoft.attention: q, k, v must be (B, H, N, D) tensors of one shape on one device")
+    scale = _attention_scale(scale, q.shape[3])
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if q.numel():
+        q, k, v = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+                   for t in (q, k, v))  # the kernel reads 16-byte vectors
+        device = q.get_device()
+        loaded = _loaded(_attention_problem(names[q.dtype], tuple(q.shape), causal), device)
+        loaded.launch_raw({"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
+                           "lse": lse.data_ptr(), "scale": np.float32(scale)}, _torch_stream(torch, device))
+    return (o, lse) if return_lse else o
+
+
+def _attention_scale(scale: float | None, head_dim: int) -> float:
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
+        raise ValueError(f"autosoft.attention: scale must be positive, got {scale}")
+    return scale
+
+
+def _attention_problem(dtype: str, shape: tuple[int, ...], causal: bool) -> Problem:
+    try:
+        shape = get_family("attention").check_shape(tuple(int(s) for s in shape))
+    except UserError as exc:
+        raise ValueError(f"autosoft.attention: {exc}") from None
+    return Problem("attention", dtype, shape, ("causal",) if causal else ())
 
 
 def load_cache(path: str) -> int:

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def problem_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("family", help=f"kernel family: {', '.join(sorted(FAMILIES))}")
-        p.add_argument("--shape", required=True, help="problem shape, e.g. 4096x8192 (softmax: MxN)")
+        p.add_argument("--shape", required=True,
+                       help="problem shape: softmax MxN (e.g. 4096x8192), attention B,H,N,D (e.g. 1,32,8192,64)")
         p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)} (default float32)")
         p.add_argument("--causal", action="store_true", help="causal masking (attention only)")
 
@@ -109,13 +110,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     d = report.default.outcome
     rows.append(("default", report.default.variant.name, d.time_us if d.ok else None))
     rows.append(("copy", "device-to-device copy of the same bytes", report.copy_time_us))
-    print(f"{'':8} {'variant':58} {'time (us)':>10} {'GB/s':>9} {'% of copy':>10}")
+    flops = family.flops(problem)
+    if flops:  # compute-bound: the rate, not the bandwidth, is what matters
+        rows = rows[:-1]
+    print(f"{'':8} {'variant':58} {'time (us)':>10} " + (f"{'TFLOP/s':>9}" if flops else f"{'GB/s':>9} {'% of copy':>10}"))
     for label, name, t in rows:
         if t is None:
             print(f"{label:8} {name:58} {'failed: ' + d.status.value:>31}")
-            continue
-        gbps = nbytes / (t * 1e-6) / 1e9
-        print(f"{label:8} {name:58} {t:10.2f} {gbps:9.1f} {100 * report.copy_time_us / t:9.1f}%")
+        elif flops:
+            print(f"{label:8} {name:58} {t:10.2f} {flops / (t * 1e-6) / 1e12:9.1f}")
+        else:
+            gbps = nbytes / (t * 1e-6) / 1e9
+            print(f"{label:8} {name:58} {t:10.2f} {gbps:9.1f} {100 * report.copy_time_us / t:9.1f}%")
     if report.best is None:
         print("no correct variant found; nothing was stored")
         return 1

@@ -22,8 +22,6 @@ from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
 from .runtime import DeviceInfo, LoadedVariant, device_info
 
-_VERIFY_ROWS = 256  # rows used to check a borrowed variant on a new shape
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -82,8 +80,8 @@ class Dispatcher:
         if exact:
             best = min(exact, key=lambda e: e.time_us)
             return Choice(build_variant(family, problem, best.params, target), "tuned")
-        for entry in sorted(candidates, key=lambda e: _shape_distance(e.key, key)):
-            if _shape_distance(entry.key, key) == math.inf:
+        for entry in sorted(candidates, key=lambda e: _shape_distance(family, e.key, key)):
+            if _shape_distance(family, entry.key, key) == math.inf:
                 continue
             try:
                 variant = build_variant(family, problem, entry.params, target)
@@ -123,7 +121,7 @@ def _compile_or_fail(variant: Variant) -> bytes:
 def _verify_on_shape(variant: Variant) -> None:
     """Check an untuned choice on random data of this row length before it runs for real."""
     family = get_family(variant.family)
-    shape = (min(variant.problem.shape[0], _VERIFY_ROWS), *variant.problem.shape[1:])
+    shape = family.verification_shape(variant.problem.shape)
     small = build_variant(family, replace(variant.problem, shape=shape), variant.params, variant.target)
     wrong = verify(family, LoadedVariant(small, _compile_or_fail(small)), seed=1)
     if wrong:
@@ -161,15 +159,14 @@ def find_entry(cache: Cache | None, problem: Problem, path: Path) -> tuple[Entry
     return best, target
 
 
-def _shape_distance(a: CacheKey, b: CacheKey) -> float:
-    """Distance between shapes in log space; the row length weighs more than the row count."""
+def _shape_distance(family: Family, a: CacheKey, b: CacheKey) -> float:
+    """The family's distance between two keys' shapes; infinite across flags (e.g. causal)."""
     (dims_a, _, flags_a), (dims_b, _, flags_b) = a.shape.partition("+"), b.shape.partition("+")
-    sa = [int(s) for s in dims_a.split("x")]
-    sb = [int(s) for s in dims_b.split("x")]
+    sa = tuple(int(s) for s in dims_a.split("x"))
+    sb = tuple(int(s) for s in dims_b.split("x"))
     if len(sa) != len(sb) or flags_a != flags_b:
         return math.inf
-    weights = [1.0] * (len(sa) - 1) + [4.0]
-    return sum(w * abs(math.log2(x) - math.log2(y)) for w, x, y in zip(weights, sa, sb))
+    return family.shape_distance(sa, sb)
 
 
 DISPATCHER = Dispatcher()

@@ -27,30 +27,40 @@ def _k(shape: str):
     return softmax_key(shape)
 
 
+def _d(a, b, family=None):
+    from autosoft.families import get_family
+
+    return _shape_distance(family or get_family("softmax"), a, b)
+
+
 # --- the distance between shapes ------------------------------------------------------------------
 
 def test_shape_distance_is_zero_for_the_same_shape_and_symmetric():
-    assert _shape_distance(_k("4096x8192"), _k("4096x8192")) == 0
+    assert _d(_k("4096x8192"), _k("4096x8192")) == 0
     for a, b in (("1x1", "4096x8192"), ("3x1000", "7x1025"), ("65536x64", "2x1048576")):
-        assert _shape_distance(_k(a), _k(b)) == pytest.approx(_shape_distance(_k(b), _k(a)))
-        assert _shape_distance(_k(a), _k(b)) > 0
+        assert _d(_k(a), _k(b)) == pytest.approx(_d(_k(b), _k(a)))
+        assert _d(_k(a), _k(b)) > 0
 
 
 def test_row_length_weighs_more_than_row_count():
     here = _k("4096x8192")
     order = sorted(["4096x16384", "8192x8192", "4096x8000", "2x8192", "4096x2048", "1024x8192", "4096x1024"],
-                   key=lambda s: _shape_distance(_k(s), here))
+                   key=lambda s: _d(_k(s), here))
     assert order == ["4096x8000", "8192x8192", "1024x8192", "4096x16384", "4096x2048", "2x8192", "4096x1024"]
     # doubling N costs as much as 16x more rows
-    assert _shape_distance(_k("4096x16384"), here) == pytest.approx(_shape_distance(_k("65536x8192"), here))
+    assert _d(_k("4096x16384"), here) == pytest.approx(_d(_k("65536x8192"), here))
 
 
-def test_distance_is_infinite_across_flags_and_ranks():
+def test_distance_is_infinite_across_flags_ranks_and_head_dims():
+    from autosoft.families import get_family
+
+    attention = get_family("attention")
     plain, causal = _k("1x32x8192x64"), _k("1x32x8192x64+causal")
-    assert _shape_distance(plain, causal) == math.inf
-    assert _shape_distance(causal, plain) == math.inf
-    assert _shape_distance(causal, _k("1x32x4096x64+causal")) == pytest.approx(1.0)
-    assert _shape_distance(_k("4096x8192"), _k("1x4096x8192")) == math.inf
+    assert _d(plain, causal, attention) == math.inf
+    assert _d(causal, plain, attention) == math.inf
+    assert _d(causal, _k("1x32x4096x64+causal"), attention) == pytest.approx(4.0)  # N weighs 4x
+    assert _d(plain, _k("1x32x8192x128"), attention) == math.inf  # another head dim, another kernel
+    assert _d(_k("4096x8192"), _k("1x4096x8192")) == math.inf
 
 
 # --- choosing with a stand-in device ----------------------------------------------------------------
@@ -79,7 +89,7 @@ def _key(shape: str, dtype: str = "float32", **changes):
 
 def test_exact_entry_wins(device, cache_dir):
     cache = Cache(cache_dir / "kernels.sqlite")
-    exact = _params("4096x8192", storage="smem", normalise="online", unroll=2)
+    exact = _params("4096x8192", storage="reread", normalise="online", unroll=2)
     cache.put(make_entry(_key("4096x8192"), time_us=5.0, params=exact))
     cache.put(make_entry(_key("4096x8000"), time_us=1.0, params=_params("4096x8000", streaming=True)))
     choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))

@@ -54,7 +54,7 @@ def _export(tmp_path, shape: str, dtype: str, entries) -> tuple[subprocess.Compl
 
 
 def test_export_writes_a_file_with_its_provenance(tmp_path):
-    params = _entry_params("2048x5000", "float16", storage="smem", normalise="online", unroll=2)
+    params = _entry_params("2048x5000", "float16", storage="smem", persistent=True, prefetch=True)
     entry = make_entry(_key("2048x5000", "float16"), time_us=17.25, params=params,
                        variant_name="softmax_from_cache", default_time_us=21.5, copy_time_us=14.0)
     result, text = _export(tmp_path, "2048x5000", "float16", [entry])

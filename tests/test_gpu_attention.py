@@ -12,6 +12,7 @@ from autosoft.cache import Cache
 from autosoft.compile import compile_source
 from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
 from autosoft.families import get_family
+from autosoft.families.attention import TOLERANCE
 from autosoft.families.base import build_variant, space_of
 
 pytestmark = pytest.mark.gpu
@@ -152,3 +153,26 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     variant = build_variant(FAMILY, problem, entry.params, _target())
     outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
     assert outcome.ok, outcome.message
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_public_api_matches_sdpa_and_returns_lse(dtype, causal, cache_dir):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    autosoft.api.DISPATCHER.forget()
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, 3, 333, 64, device="cuda", dtype=tdtype) for _ in range(3))
+    o, lse = autosoft.attention(q, k, v, causal=causal, return_lse=True)
+    assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == (2, 3, 333) and lse.dtype == torch.float32
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    assert ((o.float() - ref).norm() / ref.norm()).item() < TOLERANCE[dtype]
+    scores = (q.float() @ k.float().transpose(-1, -2)) / 8.0
+    if causal:
+        scores = scores.masked_fill(torch.ones(333, 333, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-3, rtol=1e-4)
+    with pytest.raises(TypeError, match="dtype"):
+        autosoft.attention(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="scale"):
+        autosoft.attention(q, k, v, scale=-1.0)

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from .attention import ATTENTION
 from .base import Family
 from .softmax import SOFTMAX
 
-FAMILIES: dict[str, Family] = {SOFTMAX.name: SOFTMAX}
-from .attention import ATTENTION; FAMILIES[ATTENTION.name] = ATTENTION  # noqa: E402,E702
+FAMILIES: dict[str, Family] = {SOFTMAX.name: SOFTMAX, ATTENTION.name: ATTENTION}
 
 
 def get_family(name: str) -> Family:

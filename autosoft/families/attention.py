@@ -152,6 +152,16 @@ class AttentionFamily:
 
     # --- what it costs ------------------------------------------------------------------
 
+    def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
+        """Log2 steps between shapes, N weighing 4x; a different head dim is another kernel."""
+        if a[3] != b[3]:
+            return math.inf
+        return sum(abs(math.log2(x) - math.log2(y)) * w for x, y, w in zip(a[:3], b[:3], (1, 1, 4)))
+
+    def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """One batch and two heads of the same N and D: the same compiled kernel, much less work."""
+        return (1, min(shape[1], 2), shape[2], shape[3])
+
     def bytes_moved(self, problem: Problem) -> int:
         b, h, n, d = problem.shape
         return 4 * b * h * n * d * ITEMSIZE[problem.dtype] + 4 * b * h * n

@@ -1,6 +1,7 @@
 """Softmax over the last dimension of an (M, N) array: fp32, fp16 and bf16 in, fp32 arithmetic."""
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Mapping
 
@@ -158,6 +159,14 @@ class SoftmaxFamily:
             if self.is_valid(problem, target, p):
                 return p
         raise AssertionError(f"no valid default softmax variant for {problem}")  # the last step is valid for any N
+
+    def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
+        """How far apart two shapes are for borrowing a tuned variant: log2 steps, N weighs 4x."""
+        return abs(math.log2(a[0]) - math.log2(b[0])) + 4 * abs(math.log2(a[1]) - math.log2(b[1]))
+
+    def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A smaller problem with the same compiled kernel, to check a borrowed variant on."""
+        return (min(shape[0], 256), shape[1])
 
     def bytes_moved(self, problem: Problem) -> int:
         m, n = problem.shape
