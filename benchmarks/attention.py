@@ -13,6 +13,7 @@ valid variant of the search space instead (verifying the fastest few) to see the
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures as cf
 import json
 import math
@@ -20,6 +21,7 @@ import multiprocessing as mp
 import sys
 import time
 import traceback
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosoft.cache import Cache  # noqa: E402
+from autosoft.worker import GpuWorker  # noqa: E402
 from autosoft.compile import compile_source  # noqa: E402
 from autosoft.dispatch import cache_key  # noqa: E402
 from autosoft.evaluate import poisoned, verify  # noqa: E402
@@ -52,7 +55,7 @@ def autosoft_variant(problem: Problem, cache: Cache | None, trials: int, seed: i
         entry = cache.get(cache_key(problem, device))
         source = "cached"
         if entry is None:
-            tune("attention", problem, trials, cache, seed=seed)
+            tune("attention", problem, trials, cache, seed=seed, worker=_tuning_worker())
             entry = cache.get(cache_key(problem, device))
             source = "tuned"
         if entry is None:
@@ -63,6 +66,14 @@ def autosoft_variant(problem: Problem, cache: Cache | None, trials: int, seed: i
     if not result.ok:
         raise RuntimeError(f"{variant.name} does not compile: {result.log[:500]}")
     return LoadedVariant(variant, result.cubin), source
+
+
+@lru_cache(maxsize=1)
+def _tuning_worker() -> GpuWorker:
+    """One GPU worker process for every tune of the run (starting one costs seconds)."""
+    worker = GpuWorker()
+    atexit.register(worker.stop)
+    return worker
 
 
 class Inputs:
