@@ -320,6 +320,10 @@ def test_vec4_fp32_uses_16_byte_loads_in_sass(tmp_path):
         assert result.ok
         cubin = tmp_path / f"v{vec}.cubin"
         cubin.write_bytes(result.cubin)
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=60).stdout
+        proc = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=60)
+        if "does not contain device code" in proc.stdout + proc.stderr:
+            # seen on the H200 machine: its cuobjdump 13.0 does not read the cubin of a newer NVRTC
+            pytest.skip(f"{cuobjdump} cannot read NVRTC's cubin here (the PTX test covers the vector width)")
+        sass = proc.stdout
         assert "softmax_rows" in sass
         assert bool(re.search(r"LDG\.E[.\w]*\.128", sass)) is expect, f"vec={vec}"
