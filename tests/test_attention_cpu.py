@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +14,8 @@ from autosoft.errors import UserError
 from autosoft.families import get_family
 from autosoft.families.attention import reference
 from autosoft.families.base import Target, build_variant, space_of
+
+from helpers import sample_points  # noqa: E402
 
 FAMILY = get_family("attention")
 ARCHS = ("90", "80")
@@ -35,16 +36,7 @@ def _values(problem, arch="90"):
 
 
 def _sample(problem, arch: str, k: int, seed: int) -> list[dict]:
-    """The default, its seeds and k valid points drawn with a fixed seed."""
-    target = Target.for_arch(arch)
-    valid = space_of(FAMILY).valid_points(_values(problem, arch))
-    picks = [FAMILY.default_params(problem, target), *FAMILY.seed_params(problem, target)]
-    picks += random.Random(seed).sample(valid, min(k, len(valid)))
-    unique = []
-    for p in picks:
-        if p not in unique:
-            unique.append(p)
-    return unique
+    return sample_points(FAMILY, problem, Target.for_arch(arch), k, seed)
 
 
 # --- shapes and problems ----------------------------------------------------------------

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import random
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.attention import TOLERANCE
 from autosoft.families.base import build_variant, space_of
+from helpers import sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -31,15 +31,20 @@ def _target():
 
 
 def _sample(problem, k: int, seed: int) -> list[dict]:
-    target = _target()
-    valid = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target))
-    picks = [FAMILY.default_params(problem, target), *FAMILY.seed_params(problem, target)]
-    picks += random.Random(seed).sample(valid, min(k, len(valid)))
-    unique = []
-    for p in picks:
-        if p not in unique:
-            unique.append(p)
-    return unique
+    return sample_points(FAMILY, problem, _target(), k, seed)
+
+
+def _wrong(variants, seed: int) -> list[str]:
+    """Compile and verify each variant; the failures, described."""
+    from autosoft.runtime import LoadedVariant
+
+    failures = []
+    for variant, result in zip(variants, _compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=seed)
+        if wrong:
+            failures.append(f"{variant.name}: {wrong}")
+    return failures
 
 
 def _compiled(variants):
@@ -51,17 +56,10 @@ def _compiled(variants):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sampled_variants_are_correct(shape, dtype, causal):
-    from autosoft.runtime import LoadedVariant
-
     problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
     variants = [build_variant(FAMILY, problem, p, _target())
                 for p in _sample(problem, 3, seed=sum(shape) * 7 + len(dtype) + causal)]
-    failures = []
-    for variant, result in zip(variants, _compiled(variants)):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=11)
-        if wrong:
-            failures.append(f"{variant.name}: {wrong}")
+    failures = _wrong(variants, seed=11)
     assert not failures, "\n".join(failures)
 
 
@@ -79,17 +77,10 @@ def test_default_fills_the_gpu_and_is_correct(d, dtype, causal):
 
 def test_every_variant_of_a_tail_problem_is_correct():
     """All valid points for one awkward shape (N not a multiple of any tile), causal."""
-    from autosoft.runtime import LoadedVariant
-
     problem = FAMILY.problem("1,2,555,64", "bfloat16", ("causal",))
     points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
     variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
-    failures = []
-    for variant, result in zip(variants, _compiled(variants)):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=3)
-        if wrong:
-            failures.append(f"{variant.name}: {wrong}")
+    failures = _wrong(variants, seed=3)
     assert not failures, "\n".join(failures)
 
 

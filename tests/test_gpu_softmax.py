@@ -1,16 +1,14 @@
 """GPU tier: softmax variants, the tuner and the Python API on a real device."""
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
 
 from autosoft.cache import Cache
 from autosoft.compile import compile_source
 from autosoft.evaluate import Status, evaluate, verify
 from autosoft.families import get_family
-from autosoft.families.base import Problem, build_variant, space_of
+from autosoft.families.base import Problem, build_variant
+from helpers import sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -25,13 +23,7 @@ def _device():
 
 
 def _sample(problem: Problem, k: int, seed: int) -> list[dict]:
-    family = get_family("softmax")
-    target = _device().target
-    valid = space_of(family).valid_points(family.problem_values(problem, target))
-    rng = random.Random(seed)
-    picks = [family.default_params(problem, target), *family.seed_params(problem, target)]
-    picks += rng.sample(valid, min(k, len(valid)))
-    return picks
+    return sample_points(get_family("softmax"), problem, _device().target, k, seed)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

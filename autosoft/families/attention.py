@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..space import ParamValue
-from .base import ITEMSIZE, Launch, Problem, Target, check_dtype, space_of
+from .base import ITEMSIZE, Launch, Problem, Target, check_dtype, is_valid, valid_neighbours
 from .softmax import to_float64, to_storage
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
@@ -128,16 +128,10 @@ class AttentionFamily:
             {"block_m": 128, "warps": 8, "block_n": 128, "stages": 3, "q_in": "registers"},  # 16 rows per warp
             {"block_n": 32, "stages": 3},
         )
-        seeds: list[dict[str, ParamValue]] = []
-        for change in changes:
-            candidate = {**base, **change}
-            if candidate != base and candidate not in seeds and self.is_valid(problem, target, candidate):
-                seeds.append(candidate)
-        return seeds
+        return valid_neighbours(self, problem, target, base, changes)
 
     def is_valid(self, problem: Problem, target: Target, params: Mapping[str, ParamValue]) -> bool:
-        space = space_of(self)
-        return not space.violations(space.check_values(params), self.problem_values(problem, target))
+        return is_valid(self, problem, target, params)
 
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
         # smaller key tiles, shallower pipeline, smaller query tile: the last step is valid for any N >= 1

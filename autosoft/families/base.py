@@ -135,6 +135,23 @@ def build_variant(family: Family, problem: Problem, params: Mapping[str, Any], t
                    tuple(l.kernel for l in launches))
 
 
+def is_valid(family: Family, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
+    """Whether params are declared values that satisfy every constraint for this problem."""
+    space = space_of(family)
+    return not space.violations(space.check_values(params), family.problem_values(problem, target))
+
+
+def valid_neighbours(family: Family, problem: Problem, target: Target, base: Mapping[str, Any],
+                     changes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """base with each change applied, in order, keeping the valid ones not seen before: seeds."""
+    seeds: list[dict[str, Any]] = []
+    for change in changes:
+        candidate = {**base, **change}
+        if candidate != base and candidate not in seeds and is_valid(family, problem, target, candidate):
+            seeds.append(candidate)
+    return seeds
+
+
 def family_template_digest(family: Family) -> str:
     return template_digest(family.template, template_root(family))
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..space import ParamValue
-from .base import ITEMSIZE, Launch, Problem, Target, build_variant, check_dtype, space_of
+from .base import ITEMSIZE, Launch, Problem, Target, check_dtype, is_valid, valid_neighbours
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -138,16 +138,10 @@ class SoftmaxFamily:
             for split in (32, 64, 128, 256):
                 changes.append({"storage": "reread", "normalise": "online", "unroll": 4, "combine": "launches",
                                 "split": split, "threads": 512, "row_threads": 512, "persistent": False})
-        seeds: list[dict[str, ParamValue]] = []
-        for change in changes:
-            candidate = {**base, **change}
-            if candidate != base and candidate not in seeds and self.is_valid(problem, target, candidate):
-                seeds.append(candidate)
-        return seeds
+        return valid_neighbours(self, problem, target, base, changes)
 
     def is_valid(self, problem: Problem, target: Target, params: Mapping[str, ParamValue]) -> bool:
-        space = space_of(self)
-        return not space.violations(space.check_values(params), self.problem_values(problem, target))
+        return is_valid(self, problem, target, params)
 
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
         # Walk towards the plainest variant until every constraint holds; the last step always does.
