@@ -12,7 +12,6 @@ import math
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
 
 from .cache import Cache, CacheKey, Entry, default_cache_path
 from .compile import compile_source
@@ -171,7 +170,3 @@ def _shape_distance(family: Family, a: CacheKey, b: CacheKey) -> float:
 
 DISPATCHER = Dispatcher()
 
-
-def describe(problem: Problem) -> Mapping[str, Any]:
-    choice = DISPATCHER.choose(problem)
-    return {"variant": choice.variant.name, "source": choice.source, "params": dict(choice.variant.params)}

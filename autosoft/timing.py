@@ -28,9 +28,6 @@ class Timing:
     min_us: float
     samples: int
 
-    def gbps(self, nbytes: int) -> float:
-        return nbytes / (self.median_us * 1e-6) / 1e9
-
 
 def rotation_count(bytes_per_set: int, l2_bytes: int, max_bytes: int = 4 << 30) -> int:
     """How many input/output sets to cycle through so each run starts with a cold L2."""
