@@ -8,3 +8,8 @@ class UserError(Exception):
 
 class NoDeviceError(UserError):
     """No usable CUDA device (or CuPy is missing)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (driver messages span several), for logs and outcomes."""
+    return " ".join(str(exc).split()) or type(exc).__name__

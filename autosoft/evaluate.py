@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import one_line
 from .families.base import Family, Variant
 from .runtime import LoadedVariant, cupy_module
 from .timing import Timing, rotation_count, time_gpu
@@ -87,21 +88,15 @@ def evaluate(family: Family, variant: Variant, cubin: bytes, seed: int = 0, reps
     try:
         loaded = LoadedVariant(variant, cubin)
     except Exception as exc:  # noqa: BLE001 - any driver error is this variant's failure
-        return Outcome(Status.LAUNCH_FAIL, message=f"load: {_one_line(exc)}")
+        return Outcome(Status.LAUNCH_FAIL, message=f"load: {one_line(exc)}")
     try:
         wrong = verify(family, loaded, seed)
-    except cp.cuda.runtime.CUDARuntimeError as exc:
-        return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
-    except cp.cuda.driver.CUDADriverError as exc:
-        return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
+    except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as exc:
+        return Outcome(Status.LAUNCH_FAIL, message=one_line(exc))
     if wrong:
         return Outcome(Status.WRONG, message=wrong)
     try:
         timing = time_variant(family, loaded, reps)
     except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as exc:
-        return Outcome(Status.LAUNCH_FAIL, message=_one_line(exc))
+        return Outcome(Status.LAUNCH_FAIL, message=one_line(exc))
     return Outcome(Status.OK, time_us=timing.median_us)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
 
-from .errors import NoDeviceError
+from .errors import NoDeviceError, one_line
 from .families.base import Launch, Target, Variant
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -28,7 +28,7 @@ def cupy_module() -> Any:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cupy raises CUDARuntimeError without a driver
-        raise NoDeviceError(f"no CUDA device: {_one_line(exc)}; run this on a machine with an NVIDIA GPU") from None
+        raise NoDeviceError(f"no CUDA device: {one_line(exc)}; run this on a machine with an NVIDIA GPU") from None
     if count < 1:
         raise NoDeviceError("no CUDA device found; run this on a machine with an NVIDIA GPU")
     return cupy
@@ -166,7 +166,3 @@ def _driver() -> Any:
     from cupy_backends.cuda.api import driver
 
     return driver
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

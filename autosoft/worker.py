@@ -11,6 +11,7 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import one_line
 from .evaluate import Outcome, Status
 
 _START_TIMEOUT_S = 120.0  # importing CuPy and creating a context, once per worker
@@ -125,5 +126,5 @@ def _serve(conn: Any) -> None:
             elif kind == "copy":
                 conn.send(time_copy(request[1], request[2]).median_us)
         except Exception as exc:  # noqa: BLE001 - anything else is this candidate's launch failure
-            conn.send(Outcome(Status.LAUNCH_FAIL, message=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+            conn.send(Outcome(Status.LAUNCH_FAIL, message=f"{type(exc).__name__}: {one_line(exc)}")
                       if kind == "evaluate" else exc)
