@@ -68,12 +68,16 @@ class SoftmaxFamily:
             name += "_persistent"
         if p["prefetch"]:
             name += "_prefetch"
+        if p["keep_exp"]:
+            name += "_keep"
         if p["streaming"]:
             name += "_cs"
         return name
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
-        return {**values, "dtype": problem.dtype, "vec_bits_type": _VEC_BITS_TYPE[values["vec_bytes"]]}
+        # 16-bit vectors of two or more elements are handled as packed pairs
+        pairs = ITEMSIZE[problem.dtype] == 2 and values["vec"] >= 2
+        return {**values, "dtype": problem.dtype, "vec_bits_type": _VEC_BITS_TYPE[values["vec_bytes"]], "pairs": pairs}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         m = problem.shape[0]
@@ -102,7 +106,7 @@ class SoftmaxFamily:
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
             "normalise": "three_pass", "reduce": "shuffle", "split": 1, "combine": "launches", "persistent": False,
-            "streaming": False, "prefetch": False,
+            "streaming": False, "prefetch": False, "keep_exp": False,
         }
         if vectors <= 32:
             p["row_threads"] = max(vec, _pow2_ceil(vectors))
@@ -126,10 +130,12 @@ class SoftmaxFamily:
         staged = {"storage": "smem", "normalise": "three_pass", "unroll": 1, "split": 1, "combine": "launches"}
         changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
         for g in (256, 512, 1024):
+            changes.append({**staged, "row_threads": g, "threads": g, "keep_exp": True})  # fp32 only
             changes.append({**staged, "row_threads": g, "threads": g})
             changes.append({**staged, "row_threads": g, "threads": g, "persistent": True, "prefetch": True})
         for g in (8, 16, 32, 64, 128, 256, 512, 1024):
-            changes.append({**on_chip, "row_threads": g, "threads": max(g, 128)})
+            for keep in (True, False):
+                changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": keep})
         for split in (2, 4, 8):
             for threads in (256, 512, 1024):
                 changes.append({**on_chip, "combine": "cluster", "split": split, "threads": threads,
