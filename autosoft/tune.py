@@ -32,6 +32,7 @@ from .space import ParamValue
 from .worker import GpuWorker, Watchdog
 
 _WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
+FINALISTS = 4  # fastest distinct variants of a search that are timed again side by side
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
                 best = m
             if progress:
                 progress(len(measured), trials, best, m)
+        best = _confirm_best(family, worker, pool, measured, timeout_s) or best
         copy_us = worker.time_copy(family.bytes_moved(problem) // 2, target.l2_bytes)
         restarts = worker.restarts - restarts_before
     finally:
@@ -172,6 +174,35 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, s
             launches=launches_text(best.variant), autosoft_version=__version__, created=time.time()))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def finalists(measured: list[Measured], count: int = FINALISTS) -> list[Measured]:
+    """The fastest correct trials, one per variant, fastest first."""
+    ranked = sorted((m for m in measured if m.outcome.ok), key=lambda m: m.outcome.time_us)
+    out: list[Measured] = []
+    for m in ranked:
+        if len(out) < count and all(m.variant.name != o.variant.name for o in out):
+            out.append(m)
+    return out
+
+
+def _confirm_best(family: Family, worker: GpuWorker, pool: cf.ProcessPoolExecutor, measured: list[Measured],
+                  timeout_s: float) -> Measured | None:
+    """Re-time the finalists side by side and return the fastest, with that time; None when
+    there is nothing to choose between or the re-timing failed (the search's best stands)."""
+    chosen = finalists(measured)
+    if len(chosen) < 2:
+        return None
+    results = list(pool.map(compile_source, [m.variant.source for m in chosen],
+                            [m.variant.target.arch for m in chosen]))
+    if not all(r.ok for r in results):
+        return None
+    times = worker.time_side_by_side(family, [(m.variant, r.cubin) for m, r in zip(chosen, results)],
+                                     timeout_s * len(chosen))
+    if times is None:
+        return None
+    t, m = min(zip(times, chosen), key=lambda pair: pair[0])
+    return Measured(m.variant, Outcome(Status.OK, time_us=t))
 
 
 def _evaluate(family: Family, worker: GpuWorker, pool: cf.ProcessPoolExecutor, variant: Variant,

@@ -76,6 +76,16 @@ class GpuWorker:
             self.restart()  # a fault can leave the context unusable: start clean for the next one
         return reply
 
+    def time_side_by_side(self, family: Any, compiled: list[tuple[Any, bytes]], timeout_s: float) -> list[float] | None:
+        """Re-time verified variants of one problem side by side (evaluate.time_side_by_side);
+        None when that fails, and the caller keeps the times it has."""
+        ok, reply = self._call(("side_by_side", family, compiled), timeout_s)
+        if ok and isinstance(reply, list):
+            return reply
+        if ok:
+            self.restart()  # it raised: start clean, as after a launch failure
+        return None
+
     def time_copy(self, nbytes_each_way: int, l2_bytes: int, timeout_s: float = 120.0) -> float:
         ok, reply = self._call(("copy", nbytes_each_way, l2_bytes), timeout_s)
         if not ok or isinstance(reply, Exception):
@@ -104,8 +114,8 @@ class GpuWorker:
 def _serve(conn: Any) -> None:
     """The worker's loop: evaluate requests until the pipe closes."""
     try:
-        from .evaluate import evaluate
-        from .runtime import cupy_module
+        from .evaluate import evaluate, time_side_by_side
+        from .runtime import LoadedVariant, cupy_module
         from .timing import time_copy
 
         cupy_module().cuda.runtime.free(0)  # create the context now, not inside the first timeout
@@ -123,6 +133,9 @@ def _serve(conn: Any) -> None:
             if kind == "evaluate":
                 _, family, variant, cubin, seed = request
                 conn.send(evaluate(family, variant, cubin, seed=seed))
+            elif kind == "side_by_side":
+                _, family, compiled = request
+                conn.send(time_side_by_side(family, [LoadedVariant(v, cubin) for v, cubin in compiled]))
             elif kind == "copy":
                 conn.send(time_copy(request[1], request[2]).median_us)
         except Exception as exc:  # noqa: BLE001 - anything else is this candidate's launch failure

@@ -196,8 +196,8 @@ class _closing_pools:
 
 def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
     """tune() compiles for real (NVRTC) and asks a fake device for verification and times: it runs
-    exactly the requested trials, starts with the default, logs every outcome, and stores the fastest
-    correct variant only."""
+    exactly the requested trials, starts with the default, logs every outcome, re-times the
+    fastest few side by side and stores the winner of that, a correct variant."""
     import hashlib
     import types
 
@@ -208,6 +208,7 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
     device = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
     evaluated = []
     slow_down = {"by": 0.0}
+    side_by_side = []  # the finalists the fake device was asked to re-time
 
     def fake_evaluate(variant, cubin, seed=0, reps=40):
         assert cubin.startswith(b"\x7fELF"), "only compiled variants reach the GPU"
@@ -242,6 +243,11 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
             def time_copy(self, nbytes_each_way, l2_bytes, timeout_s=120.0):
                 return 5.0
 
+            def time_side_by_side(self, family, compiled, timeout_s):
+                assert all(cubin.startswith(b"\x7fELF") for _, cubin in compiled)
+                side_by_side.extend(variant for variant, _ in compiled)
+                return [100.0 - i + slow_down["by"] for i in range(len(compiled))]  # the slowest finalist wins
+
         monkeypatch.setattr(tune_module, "GpuWorker", FakeWorker)
     else:  # candidates run in this process
         monkeypatch.setattr(tune_module, "evaluate", fake_evaluate)
@@ -251,13 +257,13 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
         pools = _closing_pools(tune_module.compile_pool)
         monkeypatch.setattr(tune_module, "compile_pool", pools)
     try:
-        _check_tune_loop(tune_module, device, evaluated, slow_down, tmp_path)
+        _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tmp_path)
     finally:
         if pools is not None:
             pools.close()
 
 
-def _check_tune_loop(tune_module, device, evaluated, slow_down, tmp_path):
+def _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tmp_path):
     from autosoft.cache import Cache
     from autosoft.evaluate import Status
 
@@ -272,9 +278,12 @@ def _check_tune_loop(tune_module, device, evaluated, slow_down, tmp_path):
     assert dict(report.default.variant.params) == default
     keys = [tuple(sorted(p.items())) for p in evaluated]
     assert len(set(keys)) == 14, "no variant is measured twice"
-    ok = [m for m in report.trials if m.outcome.ok]
+    ok = sorted((m for m in report.trials if m.outcome.ok), key=lambda m: m.outcome.time_us)
     assert ok and report.best is not None
-    assert report.best.outcome.time_us == min(m.outcome.time_us for m in ok)
+    fastest = [m.variant.name for m in ok[:tune_module.FINALISTS]]
+    assert [v.name for v in side_by_side] == fastest, "the fastest few are re-timed, fastest first"
+    assert report.best.variant.name == fastest[-1], "the re-timing decides"
+    assert report.best.outcome.time_us == 100.0 - (len(fastest) - 1)
     assert report.best.outcome.status is Status.OK
     assert report.stored and report.copy_time_us == 5.0
 
