@@ -79,9 +79,9 @@ class Dispatcher:
         if exact:
             best = min(exact, key=lambda e: e.time_us)
             return Choice(build_variant(family, problem, best.params, target), "tuned")
-        for entry in sorted(candidates, key=lambda e: _shape_distance(family, e.key, key)):
-            if _shape_distance(family, entry.key, key) == math.inf:
-                continue
+        distances = [(_shape_distance(family, e.key, key), i) for i, e in enumerate(candidates)]
+        for _, i in sorted(d for d in distances if d[0] < math.inf):
+            entry = candidates[i]
             try:
                 variant = build_variant(family, problem, entry.params, target)
             except UserError:

@@ -70,15 +70,8 @@ def verify(family: Family, loaded: LoadedVariant, seed: int) -> str | None:
 
 def time_variant(family: Family, loaded: LoadedVariant, reps: int = 40) -> Timing:
     """Median kernel time over rotated input sets (each set read cold from device memory)."""
-    cp = cupy_module()
-    variant = loaded.variant
-    n_sets = rotation_count(family.bytes_moved(variant.problem), _l2_bytes())
-    rng = cp.random.default_rng(12345)
-    sets = []
-    for _ in range(n_sets):
-        inputs = family.make_inputs(variant.problem, "normal", cp, rng)
-        sets.append({**inputs, **allocate_outputs(family, variant, cp)})
-    return time_gpu(lambda i: loaded.launch(sets[i]), n_sets, reps)
+    sets = _timing_sets(family, loaded.variant, seed=12345)
+    return time_gpu(lambda i: loaded.launch(sets[i]), len(sets), reps)
 
 
 def time_side_by_side(family: Family, loaded: list[LoadedVariant], rounds: int = 5, reps: int = 20) -> list[float]:
@@ -86,23 +79,24 @@ def time_side_by_side(family: Family, loaded: list[LoadedVariant], rounds: int =
     shared set of rotated inputs. The search times each candidate once, and its fastest few can
     differ by less than that timing's noise; timing them side by side, in turns, lets slow
     drifts of clock or temperature fall on all of them alike."""
-    cp = cupy_module()
-    first = loaded[0].variant
-    n_sets = rotation_count(family.bytes_moved(first.problem), _l2_bytes())
-    rng = cp.random.default_rng(54321)
-    sets = [{**family.make_inputs(first.problem, "normal", cp, rng), **allocate_outputs(family, first, cp)}
-            for _ in range(n_sets)]
+    sets = _timing_sets(family, loaded[0].variant, seed=54321)
     samples: list[list[float]] = [[] for _ in loaded]
     for _ in range(rounds):
         for one, out in zip(loaded, samples):
-            out.append(time_gpu(lambda i, one=one: one.launch(sets[i]), n_sets, reps).median_us)
+            out.append(time_gpu(lambda i, one=one: one.launch(sets[i]), len(sets), reps).median_us)
     return [statistics.median(out) for out in samples]
 
 
-def _l2_bytes() -> int:
+def _timing_sets(family: Family, variant: Variant, seed: int) -> list[dict[str, Any]]:
+    """Input/output sets of fresh normal data, enough of them that rotating over them keeps
+    every run's data cold in the L2."""
     from .runtime import device_info
 
-    return device_info().target.l2_bytes
+    cp = cupy_module()
+    n_sets = rotation_count(family.bytes_moved(variant.problem), device_info().target.l2_bytes)
+    rng = cp.random.default_rng(seed)
+    return [{**family.make_inputs(variant.problem, "normal", cp, rng), **allocate_outputs(family, variant, cp)}
+            for _ in range(n_sets)]
 
 
 def evaluate(family: Family, variant: Variant, cubin: bytes, seed: int = 0, reps: int = 40) -> Outcome:

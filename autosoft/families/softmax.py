@@ -130,7 +130,7 @@ class SoftmaxFamily:
         staged = {"storage": "smem", "normalise": "three_pass", "unroll": 1, "split": 1, "combine": "launches"}
         changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
         for g in (256, 512, 1024):
-            changes.append({**staged, "row_threads": g, "threads": g, "keep_exp": True})  # fp32 only
+            changes.append({**staged, "row_threads": g, "threads": g, "keep_exp": True})
             changes.append({**staged, "row_threads": g, "threads": g})
             changes.append({**staged, "row_threads": g, "threads": g, "persistent": True, "prefetch": True})
         for g in (8, 16, 32, 64, 128, 256, 512, 1024):
