@@ -103,7 +103,8 @@ def test_render_prints_a_kernel(tmp_path):
     assert src.startswith("// autosoft softmax variant softmax_f16_")
     assert "_v4_" in src.splitlines()[0] and "_smem_" in src.splitlines()[0] and "_persistent" in src.splitlines()[0]
     assert "constexpr int N = 1000;" in src and "constexpr int VEC = 4;" in src
-    assert re.search(r'extern "C" __global__ void __launch_bounds__\(THREADS\) softmax_rows\(', src)
+    # 4 rows of 2000 bytes per 128-thread block: the threads, not the shared memory, allow 16 blocks per SM
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(THREADS, 16\) softmax_rows\(', src)
     assert "{{" not in src and "{%" not in src
     assert not cache_dir.exists(), "render touches no cache"
 

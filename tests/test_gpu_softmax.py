@@ -8,6 +8,7 @@ from autosoft.compile import compile_source
 from autosoft.evaluate import Status, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant
+from autosoft.families.softmax import to_storage
 from helpers import sample_points
 
 pytestmark = pytest.mark.gpu
@@ -42,6 +43,51 @@ def test_sampled_variants_are_correct(shape, dtype):
         if wrong:
             failures.append(f"{variant.name}: {wrong}")
     assert not failures, "\n".join(failures)
+
+
+ROWS_IN_SMEM = [{"normalise": norm, "keep_exp": keep, "chunks": chunks, **layout}
+                for norm in ("online", "three_pass") for keep in (False, True) for chunks in (1, 2, 4)
+                for layout in (
+                    {"threads": 512, "row_threads": 128},
+                    {"threads": 512, "row_threads": 128, "persistent": True, "prefetch": True})]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_rows_staged_in_shared_memory_are_correct(dtype):
+    """Every way of working on a row in shared memory: by chunks as they land (the max growing
+    from chunk to chunk, or whole chunks of -inf first), and with the next row staged ahead by a
+    persistent block; on rows of odd length (odd start addresses, a scalar head and tail)."""
+    import cupy as cp
+    import numpy as np
+
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    problem = Problem("softmax", dtype, (3000, 4001))
+    x = cp.random.default_rng(3).standard_normal(problem.shape, dtype=cp.float32)
+    x[::4, :2500] = -cp.inf                                  # the first chunks of a row are all -inf
+    x[1::4] = cp.linspace(-30, 30, problem.shape[1], dtype=cp.float32)  # the max grows every chunk
+    x[2::4, 3000:] = -cp.inf                                 # the last chunk is all -inf
+    xs = to_storage(x, dtype, cp)
+    target = _device().target
+    checked = []
+    for combo in ROWS_IN_SMEM:
+        params = {**family.default_params(problem, target), "storage": "smem", "unroll": 1, "split": 1,
+                  "combine": "launches", "persistent": False, **combo}
+        if not family.is_valid(problem, target, params):
+            continue
+        variant = build_variant(family, problem, params, target)
+        if params["prefetch"]:  # every block must have a next row to stage
+            assert variant.launches[0].grid[0] * 4 < problem.shape[0], variant.name
+        result = compile_source(variant.source, target.arch)
+        assert result.ok, result.log
+        loaded = LoadedVariant(variant, result.cubin)
+        assert verify(family, loaded, seed=11) is None, variant.name
+        y = cp.full(problem.shape, np.nan, dtype=xs.dtype)
+        loaded.launch({"x": xs, "y": y})
+        assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
+        checked.append(variant.name)
+    assert len(checked) >= 18 and any("_c4_prefetch_keep" in name for name in checked), checked
 
 
 def test_misaligned_rows_and_base_pointer():

@@ -122,7 +122,7 @@ def test_sample_is_large_and_covers_the_interesting_cases(sample):
         assert any(shape in b.label for b in built), shape
     assert any(b.label.split()[1].startswith("1x") for b in built)  # M = 1
     for word in ("_registers_", "_smem_", "_reread_", "_online_", "_three_pass_", "_persistent", "_cs",
-                 "_v8_", "_u8_", "_g1_", "_g1024_", "_keep"):
+                 "_v8_", "_u8_", "_g1_", "_g1024_", "_keep", "_c8"):
         assert any(word in b.label for b in built), word
     points = _sample_points()
     for param in space_of(SOFTMAX).parameters:

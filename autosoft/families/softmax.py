@@ -66,6 +66,8 @@ class SoftmaxFamily:
             name += f"_{'cluster' if p['combine'] == 'cluster' else 'split'}{p['split']}"
         if p["persistent"]:
             name += "_persistent"
+        if p["chunks"] != 1:
+            name += f"_c{p['chunks']}"
         if p["prefetch"]:
             name += "_prefetch"
         if p["keep_exp"]:
@@ -92,7 +94,7 @@ class SoftmaxFamily:
             return (partial, finish), m * split * 8
         blocks = -(-m // values["rows_per_block"])
         if values["persistent"]:
-            blocks = min(blocks, target.sm_count * _blocks_per_sm(threads, values["smem_bytes"], target))
+            blocks = min(blocks, target.sm_count * values["blocks_per_sm"])
         if blocks > INT32_MAX:
             raise UserError(f"{problem.shape_text}: too many rows for one launch; use a persistent variant")
         return (Launch("softmax_rows", (blocks, 1, 1), block, values["smem_bytes"], ("x", "y", np.int64(m))),), 0
@@ -106,7 +108,7 @@ class SoftmaxFamily:
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
             "normalise": "three_pass", "reduce": "shuffle", "split": 1, "combine": "launches", "persistent": False,
-            "streaming": False, "prefetch": False, "keep_exp": False,
+            "streaming": False, "prefetch": False, "chunks": 1, "keep_exp": False,
         }
         if vectors <= 32:
             p["row_threads"] = max(vec, _pow2_ceil(vectors))
@@ -122,17 +124,20 @@ class SoftmaxFamily:
         return self._first_valid(problem, target, p)
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Structured starting points the tuner measures first: the row held in registers by
-        groups of every size, cluster splits, and two-launch splits for few wide rows."""
+        """Structured starting points the tuner measures first: the row staged in shared memory
+        (whole, or worked on in chunks as they land), held in registers by groups of every size,
+        cluster splits, and two-launch splits for few wide rows."""
         base = self.default_params(problem, target)
         on_chip = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "split": 1,
                    "combine": "launches", "persistent": False}
         staged = {"storage": "smem", "normalise": "three_pass", "unroll": 1, "split": 1, "combine": "launches"}
         changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
+        arriving = {**staged, "normalise": "online", "chunks": 4}  # the first pass works on chunks as they land
         for g in (256, 512, 1024):
             changes.append({**staged, "row_threads": g, "threads": g, "keep_exp": True})
             changes.append({**staged, "row_threads": g, "threads": g})
-            changes.append({**staged, "row_threads": g, "threads": g, "persistent": True, "prefetch": True})
+            changes.append({**arriving, "row_threads": g, "threads": g, "keep_exp": True})
+            changes.append({**arriving, "row_threads": g, "threads": g})
         for g in (8, 16, 32, 64, 128, 256, 512, 1024):
             for keep in (True, False):
                 changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": keep})
@@ -224,12 +229,6 @@ def to_float64(a: Any, dtype: str, xp: Any) -> Any:
     if dtype == "bfloat16":
         return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return a.astype(np.float64)
-
-
-def _blocks_per_sm(threads: int, smem: int, target: Target) -> int:
-    by_threads = max(1, 2048 // threads)
-    by_smem = max(1, (target.smem_optin + 1024) // (smem + 1024 + 4096)) if smem else by_threads
-    return max(1, min(by_threads, by_smem, 32))
 
 
 def _pow2_floor(n: int) -> int:
