@@ -182,7 +182,7 @@ class _closing_pools:
     """Wraps tune.compile_pool for one test and shuts the pools it made down afterwards."""
 
     def __init__(self, make):
-        self._make = getattr(make, "__wrapped__", make)
+        self._make = make.__wrapped__  # compile_pool is cached per worker count: make fresh pools
         self._pools = {}
 
     def __call__(self, workers):
@@ -199,7 +199,6 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
     exactly the requested trials, starts with the default, logs every outcome, re-times the
     fastest few side by side and stores the winner of that, a correct variant."""
     import hashlib
-    import types
 
     import autosoft.tune as tune_module
     from autosoft.evaluate import Outcome, Status
@@ -221,46 +220,40 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
         return Outcome(Status.OK, time_us=10.0 + digest % 1000 / 10 + slow_down["by"])
 
     monkeypatch.setattr(tune_module, "device_info", lambda index=None: device)
-    if hasattr(tune_module, "GpuWorker"):  # candidates run in a GPU worker process
-        class FakeWorker:
-            restarts = 0
 
-            def __enter__(self):
-                return self
+    class FakeWorker:  # stands in for the GPU worker process that runs the candidates
+        restarts = 0
 
-            def __exit__(self, *exc):
-                return False
+        def __enter__(self):
+            return self
 
-            def start(self):
-                pass
+        def __exit__(self, *exc):
+            return False
 
-            def stop(self):
-                pass
+        def start(self):
+            pass
 
-            def evaluate(self, family, variant, cubin, seed, timeout_s):
-                return fake_evaluate(variant, cubin, seed)
+        def stop(self):
+            pass
 
-            def time_copy(self, nbytes_each_way, l2_bytes, timeout_s=120.0):
-                return 5.0
+        def evaluate(self, family, variant, cubin, seed, timeout_s):
+            return fake_evaluate(variant, cubin, seed)
 
-            def time_side_by_side(self, family, compiled, timeout_s):
-                assert all(cubin.startswith(b"\x7fELF") for _, cubin in compiled)
-                side_by_side.extend(variant for variant, _ in compiled)
-                return [100.0 - i + slow_down["by"] for i in range(len(compiled))]  # the slowest finalist wins
+        def time_copy(self, nbytes_each_way, l2_bytes, timeout_s=120.0):
+            return 5.0
 
-        monkeypatch.setattr(tune_module, "GpuWorker", FakeWorker)
-    else:  # candidates run in this process
-        monkeypatch.setattr(tune_module, "evaluate", fake_evaluate)
-        monkeypatch.setattr(tune_module, "time_copy", lambda *a, **k: types.SimpleNamespace(median_us=5.0))
-    pools = None
-    if hasattr(tune_module, "compile_pool"):  # a pool kept for the session: shut it down after this test
-        pools = _closing_pools(tune_module.compile_pool)
-        monkeypatch.setattr(tune_module, "compile_pool", pools)
+        def time_side_by_side(self, family, compiled, timeout_s):
+            assert all(cubin.startswith(b"\x7fELF") for _, cubin in compiled)
+            side_by_side.extend(variant for variant, _ in compiled)
+            return [100.0 - i + slow_down["by"] for i in range(len(compiled))]  # the slowest finalist wins
+
+    monkeypatch.setattr(tune_module, "GpuWorker", FakeWorker)
+    pools = _closing_pools(tune_module.compile_pool)  # the session's pool: shut down after this test
+    monkeypatch.setattr(tune_module, "compile_pool", pools)
     try:
         _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tmp_path)
     finally:
-        if pools is not None:
-            pools.close()
+        pools.close()
 
 
 def _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tmp_path):
