@@ -311,6 +311,23 @@ def test_vec4_fp32_uses_16_byte_accesses_in_ptx():
     assert not re.search(r"ld\.global[.\w]*\.v4", narrow)
 
 
+@pytest.mark.parametrize("storage", ["smem", "registers"])
+def test_16_bit_rows_are_written_with_16_byte_stores_only(storage):
+    """Every store of a row's vector body is one 16-byte store: left to the compiler, a vector
+    assembled from packed 16-bit pairs was at times stored as four 4-byte stores (a staged
+    4096x32768 float16 variant's first position, and every position once the loops changed)."""
+    target = Target.for_arch("90")
+    problem = Problem("softmax", "float16", (4096, 32768 if storage == "smem" else 4001))
+    params = {**SOFTMAX.default_params(problem, target), "storage": storage, "vec": 8, "unroll": 1, "split": 1,
+              "persistent": False, "prefetch": False, "streaming": False}
+    params.update({"threads": 1024, "row_threads": 1024, "normalise": "online", "chunks": 4} if storage == "smem"
+                  else {"threads": 128, "row_threads": 128, "normalise": "three_pass", "keep_exp": True})
+    ptx = _ptx(build_variant(SOFTMAX, problem, params, target).source, "90")
+    stores = set(re.findall(r"st\.global[.\w]*", ptx))
+    narrow = {s for s in stores if ".v4." not in s and not s.endswith(("16", ".b16"))}
+    assert any(".v4." in s for s in stores) and not narrow, sorted(stores)  # 16-bit: the head and tail
+
+
 def test_vec4_fp32_uses_16_byte_loads_in_sass(tmp_path):
     cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:

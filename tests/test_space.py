@@ -360,3 +360,18 @@ def test_smem_limit_of_the_target_changes_the_valid_set():
     small_keys = {tuple(p.values()) for p in small}
     assert small_keys < {tuple(p.values()) for p in big}
     assert all(p["storage"] == "smem" for p in big if tuple(p.values()) not in small_keys)
+
+
+@pytest.mark.parametrize("n, dtype, extra", [(32768, "float16", 0), (4000, "float32", 0), (50257, "float16", 128),
+                                             (4000, "float16", 128), (4001, "float32", 128)])
+def test_a_staged_slot_has_a_spare_line_when_rows_do_not_start_line_aligned(n, dtype, extra):
+    """The body of a row that starts mid-line is placed from the start of its 128-byte line
+    (Segment in the template), so its shared-memory slot holds one line more."""
+    space = space_of(SOFTMAX)
+    problem = Problem("softmax", dtype, (64, n))
+    params = {**SOFTMAX.default_params(problem, Target.for_arch("90")), "storage": "smem", "threads": 256,
+              "row_threads": 256, "vec": 16 // (4 if dtype == "float32" else 2), "unroll": 1, "split": 1,
+              "persistent": False, "prefetch": False, "chunks": 1, "normalise": "three_pass"}
+    values = space.evaluate(space.check_values(params), SOFTMAX.problem_values(problem, Target.for_arch("90")))
+    itemsize = 4 if dtype == "float32" else 2
+    assert values["smem_bytes"] == -(-n // 8) * 8 * itemsize + extra
