@@ -33,15 +33,15 @@ def softmax(x: Any) -> Any:
 def _softmax_torch(x: Any, torch: Any) -> Any:
     # Hot path: a tensor of a (dtype, shape, device) seen before needs only its output and a launch.
     key = (x.dtype, x.shape, x.get_device())
-    loaded = DISPATCHER.fast.get(key)
-    if loaded is None or not x.is_contiguous():
+    launch = DISPATCHER.fast.get(key)
+    if launch is None or not x.is_contiguous():
         return _softmax_torch_checked(x, torch)
     y = torch.empty_like(x)
     xp, yp = x.data_ptr(), y.data_ptr()
     if (xp - yp) % _VEC_ALIGN:
         y = _empty_aligned_like_torch(x)
         yp = y.data_ptr()
-    loaded.launch_raw({"x": xp, "y": yp}, _torch_stream(torch, key[2]))
+    launch(xp, yp, _torch_stream(torch, key[2]))
     return y
 
 
@@ -58,10 +58,10 @@ def _softmax_torch_checked(x: Any, torch: Any) -> Any:
     if not x.is_contiguous():
         x = x.contiguous()
     device = x.get_device()
-    loaded = _loaded(_problem(dtype, tuple(x.shape)), device)
-    DISPATCHER.fast[(x.dtype, x.shape, device)] = loaded
+    launch = _loaded(_problem(dtype, tuple(x.shape)), device).launcher(("x", "y"))
+    DISPATCHER.fast[(x.dtype, x.shape, device)] = launch
     y = _empty_aligned_like_torch(x)
-    loaded.launch_raw({"x": x.data_ptr(), "y": y.data_ptr()}, _torch_stream(torch, device))
+    launch(x.data_ptr(), y.data_ptr(), _torch_stream(torch, device))
     return y
 
 
@@ -104,12 +104,12 @@ def _softmax_cupy(x: Any) -> Any:
         x = cp.ascontiguousarray(x)
     device = x.data.device_id
     key = (x.dtype, x.shape, device)
-    loaded = DISPATCHER.fast.get(key)
-    if loaded is None:
-        loaded = DISPATCHER.fast[key] = _loaded(_problem(dtype, x.shape), device)
+    launch = DISPATCHER.fast.get(key)
+    if launch is None:
+        launch = DISPATCHER.fast[key] = _loaded(_problem(dtype, x.shape), device).launcher(("x", "y"))
     with x.device:
         y = _empty_aligned_like_cupy(cp, x)
-        loaded.launch_raw({"x": x.data.ptr, "y": y.data.ptr}, cp.cuda.get_current_stream().ptr)
+        launch(x.data.ptr, y.data.ptr, cp.cuda.get_current_stream().ptr)
     return y
 
 

@@ -12,6 +12,7 @@ import math
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from .cache import Cache, CacheKey, Entry, default_cache_path
 from .compile import compile_source
@@ -36,7 +37,8 @@ class Dispatcher:
         self._extra_files: list[Path] = []
         self._entries: list[Entry] | None = None
         self._loaded: dict[tuple, LoadedVariant] = {}
-        self.fast: dict[tuple, LoadedVariant] = {}  # the API's hot-path index: (array dtype, shape, device)
+        # the API's hot path: (array dtype, shape, device) -> launch(x_ptr, y_ptr, stream_ptr)
+        self.fast: dict[tuple, Callable[..., None]] = {}
 
     # -- cache files --------------------------------------------------------------------
     def load_cache(self, path: str | Path) -> int:

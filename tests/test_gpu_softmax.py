@@ -90,6 +90,52 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
     assert len(checked) >= 18 and any("_c4_prefetch_keep" in name for name in checked), checked
 
 
+def test_a_slot_of_exactly_48_kib_launches():
+    """48 KiB of dynamic shared memory plus the kernel's static scratch is past the default
+    limit: the launch needs the opt-in as much as a larger slot does."""
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    problem = Problem("softmax", "float32", (64, 12288))
+    target = _device().target
+    params = {**family.default_params(problem, target), "storage": "smem", "threads": 256, "row_threads": 256,
+              "vec": 4, "unroll": 1, "split": 1, "normalise": "three_pass", "chunks": 1, "keep_exp": False}
+    variant = build_variant(family, problem, params, target)
+    assert variant.launches[0].shared_mem == 48 * 1024
+    result = compile_source(variant.source, target.arch)
+    assert result.ok, result.log
+    assert verify(family, LoadedVariant(variant, result.cubin), seed=5) is None
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_hot_path_launcher_writes_the_same_output_as_launch(split):
+    """LoadedVariant.launcher: the API's direct cuLaunchKernel path for one kernel, and the
+    fallback through launch_raw for a row split over two launches with a workspace."""
+    import cupy as cp
+    import numpy as np
+
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    problem = Problem("softmax", "float32", (8, 65536))
+    target = _device().target
+    params = {**family.default_params(problem, target), "threads": 256, "row_threads": 256, "vec": 4,
+              "storage": "reread", "normalise": "online", "unroll": 2, "split": split, "combine": "launches",
+              "persistent": False}
+    variant = build_variant(family, problem, params, target)
+    assert len(variant.launches) == (1 if split == 1 else 2)
+    result = compile_source(variant.source, target.arch)
+    assert result.ok, result.log
+    loaded = LoadedVariant(variant, result.cubin)
+    launch = loaded.launcher(("x", "y"))
+    rng = cp.random.default_rng(4)
+    for _ in range(2):  # the slots take new pointers on every call
+        x = rng.standard_normal(problem.shape, dtype=cp.float32)
+        y = cp.full(problem.shape, np.nan, dtype=cp.float32)
+        launch(x.data.ptr, y.data.ptr, cp.cuda.get_current_stream().ptr)
+        assert family.check(problem, {"x": x}, {"y": y}, cp) is None
+
+
 def test_misaligned_rows_and_base_pointer():
     """Rows of odd length start at odd addresses; the base pointer itself may be off 16 bytes."""
     import cupy as cp
