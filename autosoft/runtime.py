@@ -104,8 +104,9 @@ class LoadedVariant:
         """A launch function for a hot path: f(*pointers, stream_ptr), one device pointer per name.
 
         For one kernel without a workspace it writes the pointers into their slots and calls
-        cuLaunchKernel itself: on the H200 machine that is 1.7 of the 6.3 us launch_raw takes
-        beyond cuLaunchKernel's own 4.6 us. Anything else goes through launch_raw.
+        cuLaunchKernel itself, with no dict of buffers per call: on the H200 machine 4.51 us per
+        launch against 4.76 us through launch_raw (3.75 us for the driver call alone). Anything
+        else goes through launch_raw.
         """
         fallback = self.launch_raw
 
