@@ -90,6 +90,49 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
     assert len(checked) >= 18 and any("_c4_prefetch_keep" in name for name in checked), checked
 
 
+ROWS_IN_CLUSTERS = [{"split": split, "threads": threads, "row_threads": threads, "keep_exp": keep}
+                    for split in (2, 4, 8) for threads in (256, 512) for keep in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(12, 50001), (8, 131072)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_rows_split_over_a_cluster_are_correct(shape, dtype):
+    """Blocks of a cluster exchange one (max, sum) pair each: blocks and threads whose values
+    are all -inf, the max in the last block or the first, and rows of odd length (a scalar
+    head and tail in the segments)."""
+    import cupy as cp
+    import numpy as np
+
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    problem = Problem("softmax", dtype, shape)
+    m, n = shape
+    x = cp.random.default_rng(5).standard_normal(shape, dtype=cp.float32)
+    x[0::4, : n - 100] = -cp.inf                      # every block but the last sees only -inf
+    x[1::4] = cp.linspace(-40, 40, n, dtype=cp.float32)  # the max is in the last block
+    x[2::4, 1:] = -cp.inf                             # one finite value, in the first block
+    x[3::4, n // 2] = 60.0                            # one value far above the rest
+    xs = to_storage(x, dtype, cp)
+    target = _device().target
+    checked = []
+    for combo in ROWS_IN_CLUSTERS:
+        params = {**family.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
+                  "unroll": 1, "combine": "cluster", "persistent": False, **combo}
+        if not family.is_valid(problem, target, params):
+            continue
+        variant = build_variant(family, problem, params, target)
+        result = compile_source(variant.source, target.arch)
+        assert result.ok, result.log
+        loaded = LoadedVariant(variant, result.cubin)
+        y = cp.full(shape, np.nan, dtype=xs.dtype)
+        loaded.launch({"x": xs, "y": y})
+        assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
+        assert verify(family, loaded, seed=13) is None, variant.name
+        checked.append(variant.name)
+    assert len(checked) >= 6 and any(name.endswith("_cluster8_keep") for name in checked), checked
+
+
 def test_a_slot_of_exactly_48_kib_launches():
     """48 KiB of dynamic shared memory plus the kernel's static scratch is past the default
     limit: the launch needs the opt-in as much as a larger slot does."""
