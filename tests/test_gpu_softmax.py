@@ -5,7 +5,7 @@ import pytest
 
 from autosoft.cache import Cache
 from autosoft.compile import compile_source
-from autosoft.evaluate import Status, evaluate, verify
+from autosoft.evaluate import Status, evaluate, poisoned, verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant
 from autosoft.families.softmax import to_storage
@@ -58,7 +58,6 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
     from chunk to chunk, or whole chunks of -inf first), and with the next row staged ahead by a
     persistent block; on rows of odd length (odd start addresses, a scalar head and tail)."""
     import cupy as cp
-    import numpy as np
 
     from autosoft.runtime import LoadedVariant
 
@@ -83,7 +82,7 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
         assert result.ok, result.log
         loaded = LoadedVariant(variant, result.cubin)
         assert verify(family, loaded, seed=11) is None, variant.name
-        y = cp.full(problem.shape, np.nan, dtype=xs.dtype)
+        y = poisoned(problem.shape, dtype, cp)  # NaN in every dtype (bfloat16 as its bits)
         loaded.launch({"x": xs, "y": y})
         assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
         checked.append(variant.name)
@@ -101,7 +100,6 @@ def test_rows_split_over_a_cluster_are_correct(shape, dtype):
     are all -inf, the max in the last block or the first, and rows of odd length (a scalar
     head and tail in the segments)."""
     import cupy as cp
-    import numpy as np
 
     from autosoft.runtime import LoadedVariant
 
@@ -125,7 +123,7 @@ def test_rows_split_over_a_cluster_are_correct(shape, dtype):
         result = compile_source(variant.source, target.arch)
         assert result.ok, result.log
         loaded = LoadedVariant(variant, result.cubin)
-        y = cp.full(shape, np.nan, dtype=xs.dtype)
+        y = poisoned(shape, dtype, cp)
         loaded.launch({"x": xs, "y": y})
         assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
         assert verify(family, loaded, seed=13) is None, variant.name
