@@ -45,6 +45,25 @@ def test_sampled_variants_are_correct(shape, dtype):
     assert not failures, "\n".join(failures)
 
 
+def _assert_correct(problem: Problem, params: dict, xs, seed: int):
+    """Compile a variant, verify it as the tuner does, then run it on the test's own input xs
+    into a poisoned output and check every element; returns the variant."""
+    import cupy as cp
+
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    variant = build_variant(family, problem, params, _device().target)
+    result = compile_source(variant.source, variant.target.arch)
+    assert result.ok, result.log
+    loaded = LoadedVariant(variant, result.cubin)
+    assert verify(family, loaded, seed=seed) is None, variant.name
+    y = poisoned(problem.shape, problem.dtype, cp)  # NaN in every dtype (bfloat16 as its bits)
+    loaded.launch({"x": xs, "y": y})
+    assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
+    return variant
+
+
 ROWS_IN_SMEM = [{"normalise": norm, "keep_exp": keep, "chunks": chunks, **layout}
                 for norm in ("online", "three_pass") for keep in (False, True) for chunks in (1, 2, 4)
                 for layout in (
@@ -58,8 +77,6 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
     from chunk to chunk, or whole chunks of -inf first), and with the next row staged ahead by a
     persistent block; on rows of odd length (odd start addresses, a scalar head and tail)."""
     import cupy as cp
-
-    from autosoft.runtime import LoadedVariant
 
     family = get_family("softmax")
     problem = Problem("softmax", dtype, (3000, 4001))
@@ -75,16 +92,9 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
                   "combine": "launches", "persistent": False, **combo}
         if not family.is_valid(problem, target, params):
             continue
-        variant = build_variant(family, problem, params, target)
+        variant = _assert_correct(problem, params, xs, seed=11)
         if params["prefetch"]:  # every block must have a next row to stage
             assert variant.launches[0].grid[0] * 4 < problem.shape[0], variant.name
-        result = compile_source(variant.source, target.arch)
-        assert result.ok, result.log
-        loaded = LoadedVariant(variant, result.cubin)
-        assert verify(family, loaded, seed=11) is None, variant.name
-        y = poisoned(problem.shape, dtype, cp)  # NaN in every dtype (bfloat16 as its bits)
-        loaded.launch({"x": xs, "y": y})
-        assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
         checked.append(variant.name)
     assert len(checked) >= 18 and any("_c4_prefetch_keep" in name for name in checked), checked
 
@@ -100,8 +110,6 @@ def test_rows_split_over_a_cluster_are_correct(shape, dtype):
     are all -inf, the max in the last block or the first, and rows of odd length (a scalar
     head and tail in the segments)."""
     import cupy as cp
-
-    from autosoft.runtime import LoadedVariant
 
     family = get_family("softmax")
     problem = Problem("softmax", dtype, shape)
@@ -119,15 +127,7 @@ def test_rows_split_over_a_cluster_are_correct(shape, dtype):
                   "unroll": 1, "combine": "cluster", "persistent": False, **combo}
         if not family.is_valid(problem, target, params):
             continue
-        variant = build_variant(family, problem, params, target)
-        result = compile_source(variant.source, target.arch)
-        assert result.ok, result.log
-        loaded = LoadedVariant(variant, result.cubin)
-        y = poisoned(shape, dtype, cp)
-        loaded.launch({"x": xs, "y": y})
-        assert family.check(problem, {"x": xs}, {"y": y}, cp) is None, variant.name
-        assert verify(family, loaded, seed=13) is None, variant.name
-        checked.append(variant.name)
+        checked.append(_assert_correct(problem, params, xs, seed=13).name)
     assert len(checked) >= 6 and any(name.endswith("_cluster8_keep") for name in checked), checked
 
 
