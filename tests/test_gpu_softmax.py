@@ -7,7 +7,7 @@ from autosoft.cache import Cache
 from autosoft.compile import compile_source
 from autosoft.evaluate import Status, evaluate, poisoned, verify
 from autosoft.families import get_family
-from autosoft.families.base import Problem, build_variant
+from autosoft.families.base import ITEMSIZE, Problem, build_variant
 from autosoft.families.softmax import to_storage
 from helpers import sample_points
 
@@ -129,6 +129,27 @@ def test_rows_split_over_a_cluster_are_correct(shape, dtype):
             continue
         checked.append(_assert_correct(problem, params, xs, seed=13).name)
     assert len(checked) >= 6 and any(name.endswith("_cluster8_keep") for name in checked), checked
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staggered_first_waves_are_correct(dtype):
+    """Blocks that wait before they start still write every row: one big row per block, staged
+    in shared memory or held in registers, plain or persistent, over more than two waves."""
+    import cupy as cp
+
+    family = get_family("softmax")
+    problem = Problem("softmax", dtype, (300, 32768))
+    xs = to_storage(cp.random.default_rng(9).standard_normal(problem.shape, dtype=cp.float32), dtype, cp)
+    target = _device().target
+    checked = []
+    for layout in ({"storage": "smem", "normalise": "online", "chunks": 4},
+                   {"storage": "registers", "normalise": "three_pass"}):
+        for persistent in (False, True):
+            params = {**family.default_params(problem, target), "threads": 1024, "row_threads": 1024,
+                      "vec": 16 // ITEMSIZE[dtype], "unroll": 1, "split": 1, "combine": "launches",
+                      "persistent": persistent, "stagger": 4000, **layout}
+            checked.append(_assert_correct(problem, params, xs, seed=17).name)
+    assert len(checked) == 4 and all("_stagger4000" in name for name in checked), checked
 
 
 def test_a_slot_of_exactly_48_kib_launches():

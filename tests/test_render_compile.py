@@ -344,3 +344,29 @@ def test_vec4_fp32_uses_16_byte_loads_in_sass(tmp_path):
         sass = proc.stdout
         assert "softmax_rows" in sass
         assert bool(re.search(r"LDG\.E[.\w]*\.128", sass)) is expect, f"vec={vec}"
+
+
+@pytest.mark.parametrize("storage", ["smem", "registers"])
+def test_stagger_delays_every_other_block_of_the_first_wave(storage):
+    """stagger makes the odd blocks among the first sm_count (one per SM) sleep before they
+    start, in both one-kernel layouts; stagger 0 leaves no trace in the kernel."""
+    target = Target(arch="90", name="a GPU with 78 SMs", sm_count=78)
+    problem = Problem("softmax", "float32", (1024, 32768))
+    params = {**SOFTMAX.default_params(problem, target), "threads": 1024, "row_threads": 1024, "vec": 4,
+              "unroll": 1, "split": 1, "combine": "launches", "storage": storage}
+    params.update({"normalise": "online", "chunks": 4} if storage == "smem" else {"normalise": "three_pass"})
+    staggered = build_variant(SOFTMAX, problem, {**params, "stagger": 2000}, target)
+    plain = build_variant(SOFTMAX, problem, {**params, "stagger": 0}, target)
+    assert "if ((blockIdx.x & 1) && blockIdx.x < 78) __nanosleep(2000);" in staggered.source
+    assert staggered.name == plain.name + "_stagger2000"
+    assert "nanosleep" in _ptx(staggered.source, "90")
+    assert "nanosleep" not in plain.source and "nanosleep" not in _ptx(plain.source, "90")
+
+
+def test_stagger_is_refused_for_split_rows():
+    target = Target.for_arch("90")
+    problem = Problem("softmax", "float32", (8, 131072))
+    params = {**SOFTMAX.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
+              "unroll": 1, "split": 8, "combine": "cluster", "threads": 512, "row_threads": 512, "vec": 4}
+    assert SOFTMAX.is_valid(problem, target, params)
+    assert not SOFTMAX.is_valid(problem, target, {**params, "stagger": 1000})

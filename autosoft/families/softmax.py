@@ -56,7 +56,7 @@ class SoftmaxFamily:
         m, n = problem.shape
         # 4 KiB stays free for the static reduction scratch
         return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "smem_limit": target.smem_optin - 4096,
-                "arch": int(target.arch)}
+                "arch": int(target.arch), "sm_count": target.sm_count}
 
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
@@ -74,6 +74,8 @@ class SoftmaxFamily:
             name += "_keep"
         if p["streaming"]:
             name += "_cs"
+        if p["stagger"]:
+            name += f"_stagger{p['stagger']}"
         return name
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,7 +110,7 @@ class SoftmaxFamily:
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
             "normalise": "three_pass", "reduce": "shuffle", "split": 1, "combine": "launches", "persistent": False,
-            "streaming": False, "prefetch": False, "chunks": 1, "keep_exp": False,
+            "streaming": False, "prefetch": False, "chunks": 1, "keep_exp": False, "stagger": 0,
         }
         if vectors <= 32:
             p["row_threads"] = max(vec, _pow2_ceil(vectors))
@@ -125,8 +127,9 @@ class SoftmaxFamily:
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Structured starting points the tuner measures first: the row staged in shared memory
-        (whole, or worked on in chunks as they land), held in registers by groups of every size,
-        cluster splits, and two-launch splits for few wide rows."""
+        (whole, or worked on in chunks as they land), held in registers by groups of every size
+        (also with evict-first accesses), big rows with a staggered first wave, cluster splits,
+        and two-launch splits for few wide rows."""
         base = self.default_params(problem, target)
         on_chip = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "split": 1,
                    "combine": "launches", "persistent": False}
@@ -138,9 +141,12 @@ class SoftmaxFamily:
             changes.append({**staged, "row_threads": g, "threads": g})
             changes.append({**arriving, "row_threads": g, "threads": g, "keep_exp": True})
             changes.append({**arriving, "row_threads": g, "threads": g})
+            changes.append({**arriving, "row_threads": g, "threads": g, "stagger": 2000})
         for g in (8, 16, 32, 64, 128, 256, 512, 1024):
             for keep in (True, False):
                 changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": keep})
+            changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": True, "streaming": True})
+        changes.append({**on_chip, "row_threads": 1024, "threads": 1024, "stagger": 2000})
         for split in (2, 4, 8):
             for threads in (256, 512, 1024):
                 changes.append({**on_chip, "combine": "cluster", "split": split, "threads": threads,
