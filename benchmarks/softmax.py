@@ -4,8 +4,9 @@
 
 For every shape x dtype: a device-to-device copy of the same bytes (input read + output
 written) is timed as the limit; autosoft is tuned (or taken from the cache when the entry is
-there); autosoft, torch.softmax and the Triton kernel are then timed the same way (CUDA
-events, spin-blocked queue, median, inputs rotated so every run reads cold data).
+there); the copy, autosoft, torch.softmax and the Triton kernel are then timed the same way
+(CUDA events, spin-blocked queue, inputs rotated so every run reads cold data), in --rounds
+rounds that take turns: each figure is the median of its rounds' medians.
 Running it again with the same --cache re-uses the tuned kernels: the tuned cache for the
 sweep is reproducible with this one command. Last, autosoft.softmax and torch.softmax are
 timed per call from Python (host overhead included) on the tuned 4096x128 float32, in a fresh
@@ -55,7 +56,8 @@ def tuned_variant(problem, cache: Cache, trials: int, seed: int, worker: GpuWork
     return LoadedVariant(variant, result.cubin), tuned_now
 
 
-def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, worker: GpuWorker) -> dict:
+def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, rounds: int,
+              worker: GpuWorker) -> dict:
     from triton_softmax import TritonSoftmax
 
     m, n = problem.shape
@@ -71,22 +73,32 @@ def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, w
     t0 = time.perf_counter()
     loaded, tuned_now = tuned_variant(problem, cache, trials, seed, worker)
     row.update(variant=loaded.variant.name, tuned_now=tuned_now, tune_s=round(time.perf_counter() - t0, 2))
-    copy = time_copy(nbytes // 2, device.target.l2_bytes, reps)
-    row["copy_us"] = copy.median_us
-
-    auto = time_gpu(lambda i: loaded.launch({"x": xs[i].data_ptr(), "y": ys[i].data_ptr()}), n_sets, reps)
-    last = (3 + reps - 1) % n_sets  # the set written by the last timed run
-    err = (ys[last].float() - torch.softmax(xs[last].float(), -1)).abs().max()
-    row["autosoft_us"], row["autosoft_max_err"] = auto.median_us, float(err)
-
-    row["torch_us"] = time_gpu(lambda i: torch.softmax(xs[i], dim=-1), n_sets, reps).median_us
+    timers = {
+        "copy": lambda: time_copy(nbytes // 2, device.target.l2_bytes, reps).median_us,
+        "autosoft": lambda: time_gpu(lambda i: loaded.launch({"x": xs[i].data_ptr(), "y": ys[i].data_ptr()}),
+                                     n_sets, reps).median_us,
+        "torch": lambda: time_gpu(lambda i: torch.softmax(xs[i], dim=-1), n_sets, reps).median_us,
+    }
     try:
         tri = TritonSoftmax(m, n, tdtype)
         tri(xs[0], ys[0])
         torch.cuda.synchronize()
-        row["triton_us"] = time_gpu(lambda i: tri(xs[i], ys[i]), n_sets, reps).median_us
+        timers["triton"] = lambda: time_gpu(lambda i: tri(xs[i], ys[i]), n_sets, reps).median_us
     except Exception as exc:  # noqa: BLE001 - Triton cannot hold very long rows in one block
         row["triton_us"], row["triton_error"] = None, " ".join(str(exc).split())[:200]
+    # rounds that take turns, each a median of `reps` launches: drift of the GPU's clocks or of
+    # the host weighs on every contender alike, and the median of the rounds drops a stray one
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            samples[name].append(timer())
+    for name, values in samples.items():
+        row[f"{name}_us"] = statistics.median(values)
+    row["rounds"] = rounds
+
+    ys[0].fill_(float("nan"))  # poisoned: every element must be written by the checked run
+    loaded.launch({"x": xs[0].data_ptr(), "y": ys[0].data_ptr()})
+    row["autosoft_max_err"] = float((ys[0].float() - torch.softmax(xs[0].float(), -1)).abs().max())
     for k in ("autosoft", "torch", "triton"):
         t = row.get(f"{k}_us")
         row[f"{k}_pct_copy"] = 100 * row["copy_us"] / t if t else None
@@ -142,7 +154,9 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path("softmax_sweep.sqlite"))
     parser.add_argument("--trials", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--reps", type=int, default=40, help="launches timed per round (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds taking turns between copy, autosoft, torch "
+                                                               "and Triton (median of the rounds)")
     parser.add_argument("--out", type=Path, default=Path("softmax_bench.json"))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--shapes", default="", help="comma-separated MxN list (default: the full sweep)")
@@ -169,7 +183,7 @@ def main() -> int:
         for dtype in args.dtypes.split(","):
             problem = family.problem("x".join(map(str, shape)), dtype)
             try:
-                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, worker))
+                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, args.rounds, worker))
             except Exception as exc:  # noqa: BLE001 - one broken shape must not end the sweep
                 traceback.print_exc()
                 rows.append({"shape": problem.shape_text, "dtype": dtype, "error": str(exc)})
