@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,6 +57,16 @@ def tuned_variant(problem, cache: Cache, trials: int, seed: int, worker: GpuWork
     return LoadedVariant(variant, result.cubin), tuned_now
 
 
+def medians_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Each timer's median over `rounds` rounds that take turns: drift of the GPU's clocks or of
+    the host weighs on every contender alike, and the median of the rounds drops a stray one."""
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            samples[name].append(timer())
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, rounds: int,
               worker: GpuWorker) -> dict:
     from triton_softmax import TritonSoftmax
@@ -86,14 +97,8 @@ def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, r
         timers["triton"] = lambda: time_gpu(lambda i: tri(xs[i], ys[i]), n_sets, reps).median_us
     except Exception as exc:  # noqa: BLE001 - Triton cannot hold very long rows in one block
         row["triton_us"], row["triton_error"] = None, " ".join(str(exc).split())[:200]
-    # rounds that take turns, each a median of `reps` launches: drift of the GPU's clocks or of
-    # the host weighs on every contender alike, and the median of the rounds drops a stray one
-    samples: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            samples[name].append(timer())
-    for name, values in samples.items():
-        row[f"{name}_us"] = statistics.median(values)
+    for name, us in medians_in_turns(timers, rounds).items():
+        row[f"{name}_us"] = us
     row["rounds"] = rounds
 
     ys[0].fill_(float("nan"))  # poisoned: every element must be written by the checked run
@@ -129,18 +134,19 @@ def host_overhead(torch, cache_path: Path, calls=2000, rounds=7) -> dict:
     autosoft.load_cache(str(cache_path))
     problem = get_family("softmax").problem(HOST_SHAPE, HOST_DTYPE)
     x = torch.randn(*problem.shape, device="cuda").to(getattr(torch, HOST_DTYPE))
-    samples: dict[str, list[float]] = {"autosoft": [], "torch": []}
-    for _ in range(rounds):
-        for name, fn in (("autosoft", autosoft.softmax), ("torch", lambda t: torch.softmax(t, -1))):
-            for _ in range(50):
-                fn(x)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn(x)
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    out = {f"{name}_us_per_call": statistics.median(v) for name, v in samples.items()}
+    def per_call_us(fn) -> float:
+        for _ in range(50):
+            fn(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    medians = medians_in_turns({"autosoft": lambda: per_call_us(autosoft.softmax),
+                                "torch": lambda: per_call_us(lambda t: torch.softmax(t, -1))}, rounds)
+    out = {f"{name}_us_per_call": us for name, us in medians.items()}
     out["ratio"] = out["autosoft_us_per_call"] / out["torch_us_per_call"]
     out["rounds"], out["calls_per_round"] = rounds, calls
     out["shape"], out["dtype"] = HOST_SHAPE, HOST_DTYPE
