@@ -19,8 +19,15 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         args = ", ".join(a if isinstance(a, str) else f"{a.item()}" for a in launch.args)
         lines.append(f"launch {launch.kernel}<<<grid={launch.grid}, block={launch.block}, "
                      f"dynamic shared memory={launch.shared_mem} B>>>({args})")
+        if launch.cooperative:
+            lines.append(f"  {launch.kernel} must be launched cooperatively (cudaLaunchCooperativeKernel): "
+                         "its blocks wait for each other")
+        if launch.cluster_blocks > 8:
+            lines.append(f"  {launch.kernel} runs clusters of {launch.cluster_blocks} blocks: set "
+                         "cudaFuncAttributeNonPortableClusterSizeAllowed to 1 before launching it")
     if variant.workspace_bytes:
-        lines.append(f"workspace: {variant.workspace_bytes} bytes of device memory (float2 per row segment)")
+        lines.append(f"workspace: {variant.workspace_bytes} bytes of device memory, zeroed once before the "
+                     "first launch and kept for later launches (the kernels' comments say what it holds)")
     if entry is not None:
         lines += [
             f"tuned on {entry.key.gpu_name} (sm_{entry.key.compute_capability}), CUDA {entry.key.cuda_version}",

@@ -14,6 +14,8 @@ from .errors import NoDeviceError, one_line
 from .families.base import Launch, Target, Variant
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+_PORTABLE_CLUSTER_BLOCKS = 8
 
 
 @lru_cache(maxsize=1)  # a failure raises, so only a working CuPy is remembered
@@ -89,6 +91,9 @@ class LoadedVariant:
             # static part counts too, so ask for it whenever there is dynamic shared memory.
             if launch.shared_mem > 0:
                 cp.cuda.driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED, launch.shared_mem)
+            # sm_90 runs clusters of up to 16 blocks, but past 8 only for a kernel that opts in
+            if launch.cluster_blocks > _PORTABLE_CLUSTER_BLOCKS:
+                cp.cuda.driver.funcSetAttribute(fn.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             self._launches.append(_RawLaunch(fn.ptr, launch))
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
@@ -157,7 +162,8 @@ class LoadedVariant:
     def _workspace(self, stream_ptr: int) -> int:
         ws = self._workspaces.get(stream_ptr)
         if ws is None:
-            ws = self._workspaces[stream_ptr] = cupy_module().empty(self.variant.workspace_bytes, dtype="uint8")
+            # zeroed: a cooperative split's arrival counters start from a multiple of its split
+            ws = self._workspaces[stream_ptr] = cupy_module().zeros(self.variant.workspace_bytes, dtype="uint8")
         return ws.data.ptr
 
 
@@ -166,6 +172,7 @@ class _RawLaunch:
 
     def __init__(self, function_ptr: int, launch: Launch):
         self.function_ptr = function_ptr
+        self.cooperative = launch.cooperative
         self.geometry = (*launch.grid, *launch.block, launch.shared_mem)
         self.slots: list[Any] = []
         self.bound: list[tuple[int, str]] = []  # (slot index, buffer name) filled at each call
@@ -187,7 +194,10 @@ class _RawLaunch:
                 self.slots[i] = _ctype_of(value)
                 self.params[i] = ctypes.addressof(self.slots[i])
         gx, gy, gz, bx, by, bz, smem = self.geometry
-        _driver().launchKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr, 0)
+        if self.cooperative:
+            _driver().launchCooperativeKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr)
+        else:
+            _driver().launchKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr, 0)
 
 
 def _ctype_of(value: Any) -> Any:

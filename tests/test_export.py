@@ -152,3 +152,19 @@ def test_standalone_source_without_an_entry_says_untuned():
     text = standalone_source(variant, None)
     assert "untuned" in text and "sm_80" in text and "measured" not in text
     assert text.endswith(variant.source)
+
+
+def test_export_says_how_to_launch_a_cooperative_split_and_a_sixteen_block_cluster(tmp_path):
+    grid = _entry_params("8x131072", "float32", storage="registers", normalise="three_pass", unroll=1, vec=4,
+                         combine="grid", split=16, threads=512, row_threads=512, persistent=False)
+    result, text = _export(tmp_path, "8x131072", "float32", [make_entry(_key("8x131072"), time_us=9.0, params=grid)])
+    assert result.returncode == 0, result.stderr
+    assert "softmax_grid must be launched cooperatively (cudaLaunchCooperativeKernel)" in text
+    assert "workspace: 1056 bytes of device memory, zeroed once before the first launch" in text
+    assert "NonPortableClusterSize" not in text
+    cluster = {**grid, "combine": "cluster"}
+    result, text = _export(tmp_path / "cluster", "8x131072", "float32",
+                           [make_entry(_key("8x131072"), time_us=9.0, params=cluster)])
+    assert result.returncode == 0, result.stderr
+    assert "clusters of 16 blocks: set cudaFuncAttributeNonPortableClusterSizeAllowed" in text
+    assert "cooperatively" not in text and "workspace:" not in text

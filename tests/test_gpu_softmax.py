@@ -99,16 +99,18 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
     assert len(checked) >= 18 and any("_c4_prefetch_keep" in name for name in checked), checked
 
 
-ROWS_IN_CLUSTERS = [{"split": split, "threads": threads, "row_threads": threads, "keep_exp": keep}
-                    for split in (2, 4, 8) for threads in (256, 512) for keep in (False, True)]
+ROWS_SPLIT_IN_ONE_LAUNCH = [{"combine": combine, "split": split, "threads": threads, "row_threads": threads,
+                             "keep_exp": keep}
+                            for combine in ("cluster", "grid") for split in (2, 4, 8, 16)
+                            for threads in (256, 512) for keep in (False, True)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape", [(12, 50001), (8, 131072)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_rows_split_over_a_cluster_are_correct(shape, dtype):
-    """Blocks of a cluster exchange one (max, sum) pair each: blocks and threads whose values
-    are all -inf, the max in the last block or the first, and rows of odd length (a scalar
-    head and tail in the segments)."""
+def test_rows_split_in_one_launch_are_correct(shape, dtype):
+    """Blocks of a cluster (up to 16, past the portable 8) or of a cooperative grid exchange one
+    (max, sum) pair each: blocks and threads whose values are all -inf, the max in the last
+    block or the first, and rows of odd length (a scalar head and tail in the segments)."""
     import cupy as cp
 
     family = get_family("softmax")
@@ -122,13 +124,48 @@ def test_rows_split_over_a_cluster_are_correct(shape, dtype):
     xs = to_storage(x, dtype, cp)
     target = _device().target
     checked = []
-    for combo in ROWS_IN_CLUSTERS:
+    for combo in ROWS_SPLIT_IN_ONE_LAUNCH:
         params = {**family.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
-                  "unroll": 1, "combine": "cluster", "persistent": False, **combo}
+                  "unroll": 1, "persistent": False, **combo}
         if not family.is_valid(problem, target, params):
             continue
         checked.append(_assert_correct(problem, params, xs, seed=13).name)
-    assert len(checked) >= 6 and any(name.endswith("_cluster8_keep") for name in checked), checked
+    for ending in ("_cluster8_keep", "_cluster16", "_grid8_keep", "_grid16"):
+        assert any(name.endswith(ending) for name in checked), (ending, checked)
+
+
+def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
+    """A row's arrival counter grows by SPLIT per launch and is never reset: every launch on
+    the same workspace must still wait for all of its row's blocks, and only for them."""
+    import cupy as cp
+    import numpy as np
+
+    from autosoft.runtime import LoadedVariant
+
+    family = get_family("softmax")
+    problem = Problem("softmax", "float32", (8, 131072))
+    target = _device().target
+    params = {**family.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
+              "unroll": 1, "persistent": False, "combine": "grid", "split": 16, "threads": 512, "row_threads": 512,
+              "vec": 4}
+    variant = build_variant(family, problem, params, target)
+    (launch,) = variant.launches
+    assert launch.cooperative and launch.grid[0] == 8 * 16
+    result = compile_source(variant.source, target.arch)
+    assert result.ok, result.log
+    loaded = LoadedVariant(variant, result.cubin)
+    rng = cp.random.default_rng(21)
+    stream = cp.cuda.get_current_stream()
+    for i in range(5):
+        x = rng.standard_normal(problem.shape, dtype=cp.float32) * (1 + 10 * i)
+        x[i % 8, 1000 * i] = 200.0  # one row's max moves from launch to launch
+        y = cp.full(problem.shape, np.nan, dtype=cp.float32)
+        loaded.launch({"x": x, "y": y})
+        assert family.check(problem, {"x": x}, {"y": y}, cp) is None, i
+    stream.synchronize()
+    workspace = loaded._workspaces[stream.ptr]
+    arrivals = cp.asnumpy(workspace[8 * 16 * 8:].view(cp.uint32))
+    assert arrivals.tolist() == [5 * 16] * 8
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

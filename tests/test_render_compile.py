@@ -370,3 +370,48 @@ def test_stagger_is_refused_for_split_rows():
               "unroll": 1, "split": 8, "combine": "cluster", "threads": 512, "row_threads": 512, "vec": 4}
     assert SOFTMAX.is_valid(problem, target, params)
     assert not SOFTMAX.is_valid(problem, target, {**params, "stagger": 1000})
+
+
+def _split_params(problem: Problem, target: Target, combine: str, split: int, threads: int = 512) -> dict:
+    return {**SOFTMAX.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
+            "unroll": 1, "persistent": False, "vec": 4, "combine": combine, "split": split, "threads": threads,
+            "row_threads": threads}
+
+
+@pytest.mark.parametrize("arch, split", [("90", 16), ("80", 8)])
+def test_a_cooperative_grid_split_publishes_pairs_and_waits_at_a_barrier(arch, split):
+    """combine=grid: one cooperative launch whose blocks exchange (max, sum) pairs through a
+    workspace of pairs and per-row arrival counters; it needs no cluster, so sm_80 builds it too."""
+    target = Target.for_arch(arch)
+    problem = Problem("softmax", "float32", (8, 131072))
+    variant = build_variant(SOFTMAX, problem, _split_params(problem, target, "grid", split), target)
+    (launch,) = variant.launches
+    assert variant.name.endswith(f"_grid{split}")
+    assert launch.kernel == "softmax_grid" and launch.cooperative and launch.cluster_blocks == 1
+    assert launch.grid == (8 * split, 1, 1) and launch.args[:3] == ("x", "y", "workspace")
+    assert variant.workspace_bytes == 8 * split * 8 + 8 * 4  # a float2 per segment, a counter per row
+    ptx = _ptx(variant.source, arch)
+    assert "ld.acquire.gpu" in ptx and "atom.global.add.u32" in ptx and "barrier.cluster" not in ptx
+    assert "ld.global.cg.v2.f32" in ptx  # the pairs are read past L1
+
+
+def test_a_grid_split_is_refused_unless_its_whole_grid_fits_one_block_per_sm():
+    target = Target(arch="90", name="a GPU with 100 SMs", sm_count=100)
+    problem = Problem("softmax", "float32", (8, 131072))
+    assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 8))       # 64 blocks
+    assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 16))  # 128 blocks
+    fits = _split_params(problem, target, "grid", 8)
+    assert not SOFTMAX.is_valid(problem, target, {**fits, "storage": "reread", "normalise": "online"})
+    assert not SOFTMAX.is_valid(problem, target, {**fits, "split": 1})
+
+
+def test_clusters_of_more_than_eight_blocks_opt_in_and_stop_at_sixteen():
+    target = Target.for_arch("90")
+    problem = Problem("softmax", "float32", (8, 262144))
+    variant = build_variant(SOFTMAX, problem, _split_params(problem, target, "cluster", 16), target)
+    assert variant.launches[0].cluster_blocks == 16 and not variant.launches[0].cooperative
+    assert "__cluster_dims__(SPLIT, 1, 1)" in variant.source and "constexpr int SPLIT = 16;" in variant.source
+    assert compile_source(variant.source, "90").ok
+    assert build_variant(SOFTMAX, problem, _split_params(problem, target, "cluster", 8), target).launches[0].cluster_blocks == 8
+    assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "cluster", 32, threads=1024))
+    assert not SOFTMAX.is_valid(problem, Target.for_arch("80"), _split_params(problem, target, "cluster", 16))

@@ -46,12 +46,18 @@ class Problem:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch. Each arg is a buffer name (bound at run time) or a literal numpy scalar."""
+    """One kernel launch. Each arg is a buffer name (bound at run time) or a literal numpy scalar.
+    cluster_blocks is the cluster size compiled into the kernel (__cluster_dims__), 1 for none:
+    past 8 blocks (the portable size) the launch must opt in to a non-portable cluster.
+    A cooperative launch has every block of its grid resident at once (or fails to launch),
+    for blocks that wait for each other."""
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int
     args: tuple[Any, ...]
+    cluster_blocks: int = 1
+    cooperative: bool = False
 
 
 @dataclass(frozen=True)

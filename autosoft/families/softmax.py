@@ -14,6 +14,7 @@ from .base import ITEMSIZE, Launch, Problem, Target, check_dtype, is_valid, vali
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}
+_SPLIT_NAMES = {"launches": "split", "cluster": "cluster", "grid": "grid"}  # in variant names: _split64
 INT32_MAX = 2**31 - 1
 
 # Tolerance per output dtype: |y - ref| <= rtol*|ref| + row_atol*max(ref in row) + abs_atol.
@@ -63,7 +64,7 @@ class SoftmaxFamily:
         name = (f"softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
                 f"_u{p['unroll']}_{p['storage']}_{p['normalise']}_{p['reduce']}")
         if p["split"] != 1:
-            name += f"_{'cluster' if p['combine'] == 'cluster' else 'split'}{p['split']}"
+            name += f"_{_SPLIT_NAMES[p['combine']]}{p['split']}"
         if p["persistent"]:
             name += "_persistent"
         if p["chunks"] != 1:
@@ -88,7 +89,11 @@ class SoftmaxFamily:
         threads, split = values["threads"], values["split"]
         block = (threads, 1, 1)
         if split > 1 and values["combine"] == "cluster":
-            return (Launch("softmax_cluster", (m * split, 1, 1), block, 0, ("x", "y", np.int64(m))),), 0
+            return (Launch("softmax_cluster", (m * split, 1, 1), block, 0, ("x", "y", np.int64(m)), split),), 0
+        if split > 1 and values["combine"] == "grid":
+            # workspace: a (max, sum) pair per segment, then an arrival counter per row
+            return (Launch("softmax_grid", (m * split, 1, 1), block, 0, ("x", "y", "workspace", np.int64(m)),
+                           cooperative=True),), m * split * 8 + m * 4
         if split > 1:
             grid = (m * split, 1, 1)
             partial = Launch("softmax_partials", grid, block, 0, ("x", "workspace", np.int64(m)))
@@ -128,8 +133,8 @@ class SoftmaxFamily:
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Structured starting points the tuner measures first: the row staged in shared memory
         (whole, or worked on in chunks as they land), held in registers by groups of every size
-        (also with evict-first accesses), big rows with a staggered first wave, cluster splits,
-        and two-launch splits for few wide rows."""
+        (also with evict-first accesses), big rows with a staggered first wave, splits over a
+        cluster or a cooperative grid, and two-launch splits for few wide rows."""
         base = self.default_params(problem, target)
         on_chip = {"storage": "registers", "normalise": "three_pass", "unroll": 1, "split": 1,
                    "combine": "launches", "persistent": False}
@@ -147,9 +152,13 @@ class SoftmaxFamily:
                 changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": keep})
             changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": True, "streaming": True})
         changes.append({**on_chip, "row_threads": 1024, "threads": 1024, "stagger": 2000})
-        for split in (2, 4, 8):
+        for split in (2, 4, 8, 16):
             for threads in (256, 512, 1024):
                 changes.append({**on_chip, "combine": "cluster", "split": split, "threads": threads,
+                                "row_threads": threads})
+        for split in (2, 4, 8, 16, 32, 64, 128, 256):  # the space keeps those whose grid fits the GPU
+            for threads in (256, 512, 1024):
+                changes.append({**on_chip, "combine": "grid", "split": split, "threads": threads,
                                 "row_threads": threads})
         if problem.shape[0] * 4 < target.sm_count:
             for split in (32, 64, 128, 256):
