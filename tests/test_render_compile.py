@@ -395,11 +395,18 @@ def test_a_cooperative_grid_split_publishes_pairs_and_waits_at_a_barrier(arch, s
     assert "ld.global.cg.v2.f32" in ptx  # the pairs are read past L1
 
 
-def test_a_grid_split_is_refused_unless_its_whole_grid_fits_one_block_per_sm():
+def test_a_grid_split_is_refused_unless_its_whole_grid_fits_on_the_gpu_at_once():
+    """Blocks resident per SM, by threads and by an estimate of registers (the row's plus 32)."""
     target = Target(arch="90", name="a GPU with 100 SMs", sm_count=100)
     problem = Problem("softmax", "float32", (8, 131072))
-    assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 8))       # 64 blocks
-    assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 16))  # 128 blocks
+    # 1024 threads holding 8 floats each: 40 registers, one block per SM
+    assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 8, threads=1024))       # 64
+    assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 16, threads=1024))  # 128
+    # 512 threads holding 16 floats each: 48 registers, two blocks per SM
+    assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 16, threads=512))       # 128
+    # 512 threads holding 4 floats each: 36 registers, three blocks per SM (300 in all)
+    assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 32, threads=512))       # 256
+    assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 64, threads=512))  # 512
     fits = _split_params(problem, target, "grid", 8)
     assert not SOFTMAX.is_valid(problem, target, {**fits, "storage": "reread", "normalise": "online"})
     assert not SOFTMAX.is_valid(problem, target, {**fits, "split": 1})
