@@ -399,12 +399,12 @@ def test_a_grid_split_is_refused_unless_its_whole_grid_fits_on_the_gpu_at_once()
     """Blocks resident per SM, by threads and by an estimate of registers (the row's plus 32)."""
     target = Target(arch="90", name="a GPU with 100 SMs", sm_count=100)
     problem = Problem("softmax", "float32", (8, 131072))
-    # 1024 threads holding 8 floats each: 40 registers, one block per SM
+    # blocks in the grid, and (floats held per thread, registers estimated, blocks per SM):
+    # 1024 threads: (16, 48, 1) at split 8 and (8, 40, 1) at split 16, so 100 blocks fit
     assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 8, threads=1024))       # 64
     assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 16, threads=1024))  # 128
-    # 512 threads holding 16 floats each: 48 registers, two blocks per SM
+    # 512 threads: (16, 48, 2) at split 16, (8, 40, 3) at split 32 and (4, 36, 3) at split 64
     assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 16, threads=512))       # 128
-    # 512 threads holding 4 floats each: 36 registers, three blocks per SM (300 in all)
     assert SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 32, threads=512))       # 256
     assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "grid", 64, threads=512))  # 512
     fits = _split_params(problem, target, "grid", 8)
