@@ -22,7 +22,7 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         if launch.cooperative:
             lines.append(f"  {launch.kernel} must be launched cooperatively (cudaLaunchCooperativeKernel): "
                          "its blocks wait for each other")
-        if launch.cluster_blocks > 8:
+        if launch.non_portable_cluster:
             lines.append(f"  {launch.kernel} runs clusters of {launch.cluster_blocks} blocks: set "
                          "cudaFuncAttributeNonPortableClusterSizeAllowed to 1 before launching it")
     if variant.workspace_bytes:

@@ -15,7 +15,6 @@ from .families.base import Launch, Target, Variant
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-_PORTABLE_CLUSTER_BLOCKS = 8
 
 
 @lru_cache(maxsize=1)  # a failure raises, so only a working CuPy is remembered
@@ -92,7 +91,7 @@ class LoadedVariant:
             if launch.shared_mem > 0:
                 cp.cuda.driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED, launch.shared_mem)
             # sm_90 runs clusters of up to 16 blocks, but past 8 only for a kernel that opts in
-            if launch.cluster_blocks > _PORTABLE_CLUSTER_BLOCKS:
+            if launch.non_portable_cluster:
                 cp.cuda.driver.funcSetAttribute(fn.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             self._launches.append(_RawLaunch(fn.ptr, launch))
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
@@ -122,6 +121,8 @@ class LoadedVariant:
         if len(self._launches) != 1 or self.variant.workspace_bytes or len(names) != 2:
             return launch_any
         raw = self._launches[0]
+        if raw.cooperative:  # cuLaunchKernel cannot start it
+            return launch_any
         by_name = {name: raw.slots[i] for i, name in raw.bound}
         if set(by_name) != set(names):
             return launch_any

@@ -45,18 +45,24 @@ def test_sampled_variants_are_correct(shape, dtype):
     assert not failures, "\n".join(failures)
 
 
+def _loaded(problem: Problem, params: dict):
+    """The variant at params, compiled for this device and loaded."""
+    from autosoft.runtime import LoadedVariant
+
+    variant = build_variant(get_family("softmax"), problem, params, _device().target)
+    result = compile_source(variant.source, variant.target.arch)
+    assert result.ok, result.log
+    return LoadedVariant(variant, result.cubin)
+
+
 def _assert_correct(problem: Problem, params: dict, xs, seed: int):
     """Compile a variant, verify it as the tuner does, then run it on the test's own input xs
     into a poisoned output and check every element; returns the variant."""
     import cupy as cp
 
-    from autosoft.runtime import LoadedVariant
-
     family = get_family("softmax")
-    variant = build_variant(family, problem, params, _device().target)
-    result = compile_source(variant.source, variant.target.arch)
-    assert result.ok, result.log
-    loaded = LoadedVariant(variant, result.cubin)
+    loaded = _loaded(problem, params)
+    variant = loaded.variant
     assert verify(family, loaded, seed=seed) is None, variant.name
     y = poisoned(problem.shape, problem.dtype, cp)  # NaN in every dtype (bfloat16 as its bits)
     loaded.launch({"x": xs, "y": y})
@@ -140,20 +146,15 @@ def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
     import cupy as cp
     import numpy as np
 
-    from autosoft.runtime import LoadedVariant
-
     family = get_family("softmax")
     problem = Problem("softmax", "float32", (8, 131072))
     target = _device().target
     params = {**family.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
               "unroll": 1, "persistent": False, "combine": "grid", "split": 16, "threads": 512, "row_threads": 512,
               "vec": 4}
-    variant = build_variant(family, problem, params, target)
-    (launch,) = variant.launches
+    loaded = _loaded(problem, params)
+    (launch,) = loaded.variant.launches
     assert launch.cooperative and launch.grid[0] == 8 * 16
-    result = compile_source(variant.source, target.arch)
-    assert result.ok, result.log
-    loaded = LoadedVariant(variant, result.cubin)
     rng = cp.random.default_rng(21)
     stream = cp.cuda.get_current_stream()
     for i in range(5):
@@ -192,18 +193,14 @@ def test_staggered_first_waves_are_correct(dtype):
 def test_a_slot_of_exactly_48_kib_launches():
     """48 KiB of dynamic shared memory plus the kernel's static scratch is past the default
     limit: the launch needs the opt-in as much as a larger slot does."""
-    from autosoft.runtime import LoadedVariant
-
     family = get_family("softmax")
     problem = Problem("softmax", "float32", (64, 12288))
     target = _device().target
     params = {**family.default_params(problem, target), "storage": "smem", "threads": 256, "row_threads": 256,
               "vec": 4, "unroll": 1, "split": 1, "normalise": "three_pass", "chunks": 1, "keep_exp": False}
-    variant = build_variant(family, problem, params, target)
-    assert variant.launches[0].shared_mem == 48 * 1024
-    result = compile_source(variant.source, target.arch)
-    assert result.ok, result.log
-    assert verify(family, LoadedVariant(variant, result.cubin), seed=5) is None
+    loaded = _loaded(problem, params)
+    assert loaded.variant.launches[0].shared_mem == 48 * 1024
+    assert verify(family, loaded, seed=5) is None
 
 
 @pytest.mark.parametrize("split", [1, 4])
@@ -213,19 +210,14 @@ def test_the_hot_path_launcher_writes_the_same_output_as_launch(split):
     import cupy as cp
     import numpy as np
 
-    from autosoft.runtime import LoadedVariant
-
     family = get_family("softmax")
     problem = Problem("softmax", "float32", (8, 65536))
     target = _device().target
     params = {**family.default_params(problem, target), "threads": 256, "row_threads": 256, "vec": 4,
               "storage": "reread", "normalise": "online", "unroll": 2, "split": split, "combine": "launches",
               "persistent": False}
-    variant = build_variant(family, problem, params, target)
-    assert len(variant.launches) == (1 if split == 1 else 2)
-    result = compile_source(variant.source, target.arch)
-    assert result.ok, result.log
-    loaded = LoadedVariant(variant, result.cubin)
+    loaded = _loaded(problem, params)
+    assert len(loaded.variant.launches) == (1 if split == 1 else 2)
     launch = loaded.launcher(("x", "y"))
     rng = cp.random.default_rng(4)
     for _ in range(2):  # the slots take new pointers on every call

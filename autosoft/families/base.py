@@ -44,6 +44,9 @@ class Problem:
         return "x".join(map(str, self.shape)) + "".join(f"+{f}" for f in self.flags)
 
 
+PORTABLE_CLUSTER_BLOCKS = 8  # the largest cluster every sm_90 launch accepts without opting in
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch. Each arg is a buffer name (bound at run time) or a literal numpy scalar.
@@ -58,6 +61,10 @@ class Launch:
     args: tuple[Any, ...]
     cluster_blocks: int = 1
     cooperative: bool = False
+
+    @property
+    def non_portable_cluster(self) -> bool:
+        return self.cluster_blocks > PORTABLE_CLUSTER_BLOCKS
 
 
 @dataclass(frozen=True)
