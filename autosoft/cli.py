@@ -8,61 +8,102 @@ from typing import Sequence
 
 from .cache import Cache, default_cache_path
 from .errors import UserError
-from .families import FAMILIES, get_family
-from .families.base import DTYPES, Target, build_variant
+from .families import families, get_family
+from .families.base import Family, Problem, Target, build_variant, space_of
 from .worker import Watchdog
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        raise UserError(f"{message} (see `autosoft {self.prog.split()[-1]} --help`)"
-                        if " " in self.prog else f"{message} (see `autosoft --help`)")
+        raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line. tune, export and render take a family word, and each family brings its
+    own --shape form, --dtype choices and default, and problem options (e.g. attention --causal)."""
     parser = _Parser(prog="autosoft", description="Autotuned GPU softmax and attention kernels.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    def problem_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("family", help=f"kernel family: {', '.join(sorted(FAMILIES))}")
-        p.add_argument("--shape", required=True,
-                       help="problem shape: softmax MxN (e.g. 4096x8192), attention B,H,N,D (e.g. 1,32,8192,64)")
-        p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)} (default float32)")
-        p.add_argument("--causal", action="store_true", help="causal masking (attention only)")
 
     def cache_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--cache", type=Path, default=None,
                        help="cache file (default: $AUTOSOFT_CACHE_DIR/kernels.sqlite or the user cache dir)")
 
+    def per_family(command: argparse.ArgumentParser, add_args) -> None:
+        """One sub-command per registered family under `command`, each with its own arguments."""
+        by_family = command.add_subparsers(dest="family", required=True, metavar="FAMILY",
+                                           parser_class=_Parser, title="families")
+        for family in families().values():
+            doc = (type(family).__doc__ or family.name).strip().splitlines()[0]
+            p = by_family.add_parser(family.name, help=doc, description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+            problem_args(p, family)
+            add_args(p, family)
+
     tune = sub.add_parser("tune", help="search for the fastest correct variant and store it")
-    problem_args(tune)
-    tune.add_argument("--trials", type=int, default=60, help="variants to evaluate (default 60)")
-    tune.add_argument("--seed", type=int, default=0, help="seed of the search and of the test inputs")
-    tune.add_argument("--resume", action="store_true",
-                      help="continue the interrupted study for this problem instead of starting afresh")
-    tune.add_argument("--timeout-multiple", type=float, default=Watchdog.multiple,
-                      help="watchdog: an evaluation may take this many times the default variant's kernel "
-                           f"time per launch (default {Watchdog.multiple:g})")
-    tune.add_argument("--timeout-floor", type=float, default=Watchdog.floor_s,
-                      help=f"watchdog: never less than this many seconds (default {Watchdog.floor_s:g})")
-    tune.add_argument("--timeout-cap", type=float, default=Watchdog.cap_s,
-                      help=f"watchdog: never more than this many seconds (default {Watchdog.cap_s:g})")
-    cache_arg(tune)
+
+    def tune_args(p: argparse.ArgumentParser, family: Family) -> None:
+        p.add_argument("--trials", type=int, default=60, help="variants to evaluate (default 60)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the search and of the test inputs")
+        p.add_argument("--resume", action="store_true",
+                       help="continue the interrupted study for this problem instead of starting afresh")
+        p.add_argument("--timeout-multiple", type=float, default=Watchdog.multiple,
+                       help="watchdog: an evaluation may take this many times the default variant's kernel "
+                            f"time per launch (default {Watchdog.multiple:g})")
+        p.add_argument("--timeout-floor", type=float, default=Watchdog.floor_s,
+                       help=f"watchdog: never less than this many seconds (default {Watchdog.floor_s:g})")
+        p.add_argument("--timeout-cap", type=float, default=Watchdog.cap_s,
+                       help=f"watchdog: never more than this many seconds (default {Watchdog.cap_s:g})")
+        cache_arg(p)
+
+    per_family(tune, tune_args)
 
     lst = sub.add_parser("list", help="show the entries of a cache file")
     cache_arg(lst)
 
     export = sub.add_parser("export", help="write the tuned variant as a standalone .cu file")
-    problem_args(export)
-    export.add_argument("-o", "--output", type=Path, required=True, help="file to write")
-    cache_arg(export)
+
+    def export_args(p: argparse.ArgumentParser, family: Family) -> None:
+        p.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+        cache_arg(p)
+
+    per_family(export, export_args)
 
     render = sub.add_parser("render", help="print a variant's CUDA source (no GPU needed)")
-    problem_args(render)
-    render.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                        help="set a parameter (repeatable); the rest come from the heuristic default")
-    render.add_argument("--arch", default="90", help="compute capability to lay out for, e.g. 90 or 80")
+
+    def render_args(p: argparse.ArgumentParser, family: Family) -> None:
+        p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="set a parameter (repeatable); the rest come from the heuristic default")
+        p.add_argument("--arch", default=family.archs[-1], type=_arch,
+                       help=f"compute capability to lay out for: {', '.join(family.archs)} "
+                            f"(or sm_90 style; default {family.archs[-1]})")
+        p.epilog = "parameters (--param NAME=VALUE):\n" + "\n".join(
+            f"  {q.name:12} {', '.join(map(str, q.values))}" + (f"\n  {'':12} {q.doc}" if q.doc else "")
+            for q in space_of(family).parameters)
+
+    per_family(render, render_args)
     return parser
+
+
+def problem_args(p: argparse.ArgumentParser, family: Family) -> None:
+    """--shape, --dtype and the family's problem options."""
+    p.add_argument("--shape", required=True, help=f"problem shape: {family.shape_help}")
+    p.add_argument("--dtype", default=family.default_dtype,
+                   help=f"one of {', '.join(family.dtypes)} (default {family.default_dtype})")
+    for option in family.options:
+        flag = "--" + option.name.replace("_", "-")
+        if option.kind == "flag":
+            p.add_argument(flag, dest=f"option_{option.name}", action="store_true", help=option.help)
+        else:
+            p.add_argument(flag, dest=f"option_{option.name}", default=None, metavar=option.kind.upper(),
+                           type={"int": int, "float": float}[option.kind], help=option.help)
+
+
+def _arch(text: str) -> str:
+    """"90", "sm_90" or "sm_90a" -> "90"."""
+    arch = text.strip().lower().removeprefix("sm_").removesuffix("a")
+    if not arch.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability such as 90 or sm_90")
+    return arch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,9 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _problem(args: argparse.Namespace):
+def _problem(args: argparse.Namespace) -> tuple[Family, Problem]:
     family = get_family(args.family)
-    return family, family.problem(args.shape, args.dtype, ("causal",) if args.causal else ())
+    options = {o.name: getattr(args, f"option_{o.name}") for o in family.options}
+    return family, family.problem(args.shape, args.dtype, {k: v for k, v in options.items() if v is not None})
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -164,15 +206,38 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_render(args: argparse.Namespace) -> int:
     family, problem = _problem(args)
-    target = Target.for_arch(str(args.arch))
-    from .families.base import space_of
-
+    if args.arch not in family.archs:
+        raise UserError(f"--arch {args.arch}: {family.name} kernels are built for "
+                        f"{', '.join('sm_' + a for a in family.archs)}; choose one of {', '.join(family.archs)}")
+    target = Target.for_arch(args.arch)
     space = space_of(family)
     params = family.default_params(problem, target)
+    given: set[str] = set()
     for item in args.param:
         name, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"--param {item!r}: expected NAME=VALUE, e.g. --param vec=4")
         params[name.strip()] = space.parse_value(name.strip(), value)
-    sys.stdout.write(build_variant(family, problem, params, target).source)
+        given.add(name.strip())
+    try:
+        variant = build_variant(family, problem, params, target)
+    except UserError as exc:
+        raise UserError(f"{exc}{_defaults_in_play(family, problem, target, params, given)}") from None
+    sys.stdout.write(variant.source)
     return 0
+
+
+def _defaults_in_play(family: Family, problem: Problem, target: Target, params: dict, given: set[str]) -> str:
+    """For a point that breaks a constraint: the default values (not set by --param) that the
+    first broken constraint depends on, so the user sees what their --param conflicts with."""
+    space = space_of(family)
+    values = space.evaluate(space.check_values(params), family.problem_values(problem, target))
+    depends = space._parameter_dependencies()
+    for c in space.constraints:
+        if not c.expression.evaluate(values):
+            defaults = [n for n in space.names if n in depends(c.expression) and n not in given]
+            if not defaults:
+                return ""
+            shown = " ".join(f"{n}={params[n]}" for n in defaults)
+            return f" (with the default's {shown}; set them with --param)"
+    return ""

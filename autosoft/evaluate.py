@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import poisoned
 from .errors import one_line
 from .families.base import Family, Variant
 from .runtime import LoadedVariant, cupy_module
@@ -32,20 +33,6 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
-
-
-_POISON_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}  # quiet NaN
-
-
-def storage_dtype(dtype: str) -> str:
-    """How a dtype is held in a CuPy array (CuPy has no bfloat16: its bits ride in uint16)."""
-    return "uint16" if dtype == "bfloat16" else dtype
-
-
-def poisoned(shape: tuple[int, ...], dtype: str, xp: Any) -> Any:
-    """An output buffer full of NaN, so an element the kernel never writes fails the check."""
-    bits = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}[dtype]
-    return xp.full(shape, _POISON_BITS[dtype], dtype=bits).view(storage_dtype(dtype))
 
 
 def allocate_outputs(family: Family, variant: Variant, xp: Any) -> dict[str, Any]:

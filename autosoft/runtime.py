@@ -96,6 +96,7 @@ class LoadedVariant:
             self._launches.append(_RawLaunch(fn.ptr, launch))
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
+        self._launchers: dict[tuple[str, ...], Callable[..., None]] = {}  # launch_raw's, by buffer names
 
     def launch(self, buffers: Mapping[str, Any], stream: Any = None) -> None:
         """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar."""
@@ -105,60 +106,57 @@ class LoadedVariant:
         self.launch_raw(values, stream_ptr)
 
     def launcher(self, names: tuple[str, ...]) -> Callable[..., None]:
-        """A launch function for a hot path: f(*pointers, stream_ptr), one device pointer per name.
+        """A launch function for a hot path: f(*values, stream_ptr), one value per name, in the
+        order of `names`: a device pointer (int) for a buffer, a numpy scalar for a scalar
+        argument (attention's scale). Every buffer the launches name except "workspace" must be
+        in `names`; the workspace is this variant's, per stream.
 
-        For one kernel of two pointer arguments (softmax's x and y) and no workspace, it writes
-        the pointers into their slots and calls cuLaunchKernel itself: no dict of buffers, no
-        argument tuple per call. On the H200 machine that was 4.51 us per launch against 4.76 us
-        through launch_raw (3.75 us for the driver call alone) before the argument tuple went.
-        Anything else goes through launch_raw.
+        Argument slots are built once; a call writes the values into them and calls the driver:
+        no dict of buffers, no argument tuple per call. On the H200 machine that was 4.51 us per
+        softmax launch against 4.76 us through launch_raw (3.75 us for the driver call alone).
+        A call made while another device is current is retried from the variant's device.
         """
-        fallback = self.launch_raw
+        position = {name: i for i, name in enumerate(names)}
+        plans: list[tuple[_RawLaunch, tuple[tuple[int, int], ...]]] = []
+        for raw in self._launches:
+            binds = []
+            for slot, name in raw.bound:
+                if name == "workspace":
+                    binds.append((slot, -1))
+                elif name in position:
+                    binds.append((slot, position[name]))
+                else:
+                    raise KeyError(f"{self.variant.name}: launch {raw.kernel} needs buffer {name!r}, "
+                                   f"not among {names}")
+            plans.append((raw, tuple(binds)))
+        driver_error = _driver().CUDADriverError
+        lock, workspace = self._lock, self._workspace
 
-        def launch_any(*args: int) -> None:
-            fallback(dict(zip(names, args)), args[-1])
-
-        if len(self._launches) != 1 or self.variant.workspace_bytes or len(names) != 2:
-            return launch_any
-        raw = self._launches[0]
-        if raw.cooperative:  # cuLaunchKernel cannot start it
-            return launch_any
-        by_name = {name: raw.slots[i] for i, name in raw.bound}
-        if set(by_name) != set(names):
-            return launch_any
-        slot_a, slot_b = (by_name[name] for name in names)
-        launch_kernel, driver_error = _driver().launchKernel, _driver().CUDADriverError
-        function_ptr, params_ptr = raw.function_ptr, raw.params_ptr
-        gx, gy, gz, bx, by, bz, smem = raw.geometry
-        lock = self._lock
-
-        def launch(a: int, b: int, stream_ptr: int) -> None:
-            with lock:
-                slot_a.value = a
-                slot_b.value = b
-                try:
-                    launch_kernel(function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_ptr, 0)
-                    return
-                except driver_error:
-                    pass
-            launch_any(a, b, stream_ptr)  # launch_raw raises the error, or launches from the right device
+        def launch(*args: Any) -> None:
+            stream_ptr = args[-1]
+            try:
+                with lock:
+                    for raw, binds in plans:
+                        for slot, at in binds:
+                            raw.set(slot, args[at] if at >= 0 else workspace(stream_ptr))
+                        raw.start(stream_ptr)
+                return
+            except driver_error:
+                cp = cupy_module()
+                if cp.cuda.runtime.getDevice() == self.device:
+                    raise
+            with cupy_module().cuda.Device(self.device):  # called while another device was current
+                launch(*args)
 
         return launch
 
     def launch_raw(self, values: Mapping[str, Any], stream_ptr: int) -> None:
-        """Launch with device pointers (ints) and scalars, on a raw stream handle."""
-        if self.variant.workspace_bytes:
-            values = {**values, "workspace": self._workspace(stream_ptr)}
-        try:
-            with self._lock:
-                for launch in self._launches:
-                    launch(values, stream_ptr)
-        except _driver().CUDADriverError:
-            cp = cupy_module()
-            if cp.cuda.runtime.getDevice() == self.device:
-                raise
-            with cp.cuda.Device(self.device):  # called while another device was current
-                self.launch_raw(values, stream_ptr)
+        """Launch with device pointers (ints) and scalars by name, on a raw stream handle."""
+        names = tuple(values)
+        launch = self._launchers.get(names)
+        if launch is None:
+            launch = self._launchers[names] = self.launcher(names)
+        launch(*values.values(), stream_ptr)
 
     def _workspace(self, stream_ptr: int) -> int:
         ws = self._workspaces.get(stream_ptr)
@@ -172,6 +170,7 @@ class _RawLaunch:
     """One kernel launch with its argument array prepared for cuLaunchKernel."""
 
     def __init__(self, function_ptr: int, launch: Launch):
+        self.kernel = launch.kernel
         self.function_ptr = function_ptr
         self.cooperative = launch.cooperative
         self.geometry = (*launch.grid, *launch.block, launch.shared_mem)
@@ -186,16 +185,22 @@ class _RawLaunch:
         self.params = (ctypes.c_void_p * max(1, len(self.slots)))(*[ctypes.addressof(c) for c in self.slots])
         self.params_ptr = ctypes.addressof(self.params)
 
-    def __call__(self, values: Mapping[str, Any], stream_ptr: int) -> None:
-        for i, name in self.bound:
-            value = values[name]
-            if type(value) is int:
-                self.slots[i].value = value
-            else:  # a scalar argument (e.g. a float32 scale): give it a slot of its own type
-                self.slots[i] = _ctype_of(value)
-                self.params[i] = ctypes.addressof(self.slots[i])
+    def set(self, i: int, value: Any) -> None:
+        """Write one bound argument: a pointer into its void* slot, a scalar into a slot of its type."""
+        slot = self.slots[i]
+        if type(value) is int and type(slot) is ctypes.c_void_p:
+            slot.value = value
+            return
+        new = _ctype_of(value)
+        if type(new) is not type(slot):  # first call, or the kind of value changed
+            self.slots[i] = new
+            self.params[i] = ctypes.addressof(new)
+        else:
+            slot.value = new.value
+
+    def start(self, stream_ptr: int) -> None:
         gx, gy, gz, bx, by, bz, smem = self.geometry
-        if self.cooperative:
+        if self.cooperative:  # cuLaunchKernel cannot start it
             _driver().launchCooperativeKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr)
         else:
             _driver().launchKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr, 0)

@@ -235,7 +235,7 @@ def _naive(q, k, v, scale, causal):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_reference_matches_naive_and_checker_accepts_it(monkeypatch, causal, dtype):
     import autosoft.families.attention as attention
-    from autosoft.families.softmax import to_float64, to_storage
+    from autosoft.dtypes import to_float64, to_storage
 
     monkeypatch.setattr(attention, "_REF_BYTES", 8 * 37 * 5)  # force several row and head chunks
     problem = FAMILY.problem("2,3,37,32", dtype, ("causal",) if causal else ())
@@ -253,7 +253,7 @@ def test_reference_matches_naive_and_checker_accepts_it(monkeypatch, causal, dty
 
 
 def test_checker_catches_nan_wrong_rows_and_wrong_lse():
-    from autosoft.families.softmax import to_storage
+    from autosoft.dtypes import to_storage
 
     problem = FAMILY.problem("1,2,300,64", "float16")
     inputs = FAMILY.make_inputs(problem, "normal", np, np.random.default_rng(1))

@@ -207,13 +207,3 @@ def test_softmax_of_a_numpy_array_is_a_type_error_without_a_device(no_gpu_allowe
     with pytest.raises(TypeError, match="host"):
         autosoft.softmax(make())
 
-
-def test_api_problem_flattens_leading_dimensions():
-    from autosoft.api import _problem
-
-    assert _problem("float16", (2, 3, 5)).shape == (6, 5)
-    assert _problem("float32", (7,)).shape == (1, 7)
-    with pytest.raises(ValueError):
-        _problem("float32", (4, 0))
-    with pytest.raises(ValueError):
-        _problem("float32", (1, 2**31))

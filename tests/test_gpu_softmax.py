@@ -8,7 +8,7 @@ from autosoft.compile import compile_source
 from autosoft.evaluate import Status, evaluate, poisoned, verify
 from autosoft.families import get_family
 from autosoft.families.base import ITEMSIZE, Problem, build_variant
-from autosoft.families.softmax import to_storage
+from autosoft.dtypes import to_storage
 from helpers import sample_points
 
 pytestmark = pytest.mark.gpu

@@ -1,16 +1,79 @@
-"""Kernel families, registered by name."""
+"""The family registry: families register themselves by name.
+
+Every module of this package except `base` defines one family and calls `register(...)` at its
+end; the registry imports them all on first use, so a new built-in family is a new module here
+and nothing else. Other packages add families through the `autosoft.families` entry-point group:
+
+    [project.entry-points."autosoft.families"]
+    myfamily = "mypackage.myfamily:MY_FAMILY"     # a Family instance (or a Family subclass)
+
+A plug-in that fails to load is skipped with a warning naming it; it never breaks autosoft.
+"""
 from __future__ import annotations
 
-from ..errors import UserError
-from .attention import ATTENTION
-from .base import Family
-from .softmax import SOFTMAX
+import importlib
+import pkgutil
+import threading
+import warnings
+from importlib.metadata import entry_points
 
-FAMILIES: dict[str, Family] = {SOFTMAX.name: SOFTMAX, ATTENTION.name: ATTENTION}
+from ..errors import UserError
+from .base import Family
+
+ENTRY_POINT_GROUP = "autosoft.families"
+
+_registry: dict[str, Family] = {}  # the one registry: filled once, then only read
+_lock = threading.Lock()
+_discovered = False
+
+
+def register(family: Family) -> Family:
+    """Add a family under its name (returned, so a module can write FAMILY = register(MyFamily())).
+    Registering a second, different family under a taken name raises ValueError."""
+    if not isinstance(family, Family):
+        raise TypeError(f"{family!r} is not an autosoft.families.base.Family instance")
+    existing = _registry.get(family.name)
+    if existing is not None and existing is not family and type(existing) is not type(family):
+        raise ValueError(f"two families are named {family.name!r}: {type(existing).__module__} "
+                         f"and {type(family).__module__}")
+    _registry.setdefault(family.name, family)
+    return _registry[family.name]
+
+
+def _discover() -> None:
+    """Import the built-in family modules and load the entry-point plug-ins, once."""
+    global _discovered
+    if _discovered:
+        return
+    with _lock:
+        if _discovered:
+            return
+        for module in pkgutil.iter_modules(__path__):
+            if module.name != "base" and not module.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{module.name}")
+        for point in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                loaded = point.load()
+                register(loaded() if isinstance(loaded, type) else loaded)
+            except Exception as exc:  # noqa: BLE001 - a broken plug-in must not break autosoft
+                warnings.warn(f"autosoft: family plug-in {point.name!r} ({point.value}) was not loaded: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+        _discovered = True
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by name, sorted."""
+    _discover()
+    return dict(sorted(_registry.items()))
 
 
 def get_family(name: str) -> Family:
+    """The family registered as `name`; UserError listing the known ones otherwise."""
+    _discover()
     try:
-        return FAMILIES[name]
+        return _registry[name]
     except KeyError:
-        raise UserError(f"unknown family {name!r}: choose one of {', '.join(sorted(FAMILIES))}") from None
+        raise UserError(f"unknown family {name!r}: choose one of {', '.join(sorted(_registry))}") from None
+
+
+__all__ = ["ENTRY_POINT_GROUP", "Family", "families", "get_family", "register"]

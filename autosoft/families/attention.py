@@ -14,16 +14,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
-from .base import ITEMSIZE, Launch, Problem, Target, check_dtype, is_valid, valid_neighbours
-from .softmax import to_float64, to_storage
+from . import register
+from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
 _MMA_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 HEAD_DIMS = (32, 64, 128)
-FLAGS = ("causal",)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
 
@@ -35,12 +35,20 @@ LSE_ATOL, LSE_RTOL = 1e-3, 1e-4
 _REF_BYTES = 256 << 20  # float64 score block of the reference, per chunk
 
 
-class AttentionFamily:
+class AttentionFamily(Family):
+    """o = softmax(scale * q k^T [causal]) v and its log-sum-exp, for (B, H, N, D) q, k, v."""
     name = "attention"
     template = "attention/attention.cu.j2"
     inputs = ("q", "k", "v", "scale")
     outputs = ("o", "lse")
     input_kinds = ("normal", "normal_x10", "equal")
+    dtypes = ("float16", "bfloat16")
+    default_dtype = "bfloat16"
+    options = (ProblemOption("causal", "mask keys after the query (key j > query i)"),)
+    shape_help = "B,H,N,D (or BxHxNxD): batch, heads, sequence length, head dim, e.g. 1,32,8192,64"
+    examples = (("1,1,1,32", "float16", {}), ("1,2,77,64", "bfloat16", {"causal": True}),
+                ("3,7,1000,64", "float16", {}), ("1,8,3333,128", "bfloat16", {"causal": True}),
+                ("4,16,4096,128", "float16", {}), ("1,32,8192,64", "bfloat16", {"causal": True}))
 
     # --- problem ------------------------------------------------------------------------
 
@@ -65,16 +73,16 @@ class AttentionFamily:
             raise UserError(f"shape {text!r}: sequences longer than {INT32_MAX // d} are not supported for D={d}")
         return (b, h, n, d)
 
-    def problem(self, shape_text: str, dtype: str, flags: tuple[str, ...] = ()) -> Problem:
-        unknown = [f for f in flags if f not in FLAGS]
-        if unknown:
-            raise UserError(f"attention takes no {', '.join('--' + f for f in unknown)} option; "
-                            f"known: {', '.join('--' + f for f in FLAGS)}")
-        dtype = check_dtype(dtype)
-        if dtype not in _SHORT:
-            raise UserError(f"attention runs on float16 or bfloat16 inputs, not {dtype}: "
-                            "convert q, k and v (e.g. x.half() or x.bfloat16())")
-        return Problem(self.name, dtype, self.parse_shape(shape_text), tuple(f for f in FLAGS if f in flags))
+    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                    options: Mapping[str, OptionValue]) -> Problem:
+        q, k, v = (tuple(shapes[n]) for n in ("q", "k", "v"))
+        if len(q) != 4 or k != q or v != q:
+            raise ValueError(f"autosoft.attention: q, k, v must be (B, H, N, D) arrays of one shape, got {q}, {k}, {v}")
+        return super().problem_for(shapes, dtype, options)
+
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        q = tuple(shapes["q"])
+        return {"o": (q, dtype), "lse": (q[:3], "float32")}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         b, h, n, d = problem.shape
@@ -129,9 +137,6 @@ class AttentionFamily:
             {"block_n": 32, "stages": 3},
         )
         return valid_neighbours(self, problem, target, base, changes)
-
-    def is_valid(self, problem: Problem, target: Target, params: Mapping[str, ParamValue]) -> bool:
-        return is_valid(self, problem, target, params)
 
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
         # smaller key tiles, shallower pipeline, smaller query tile: the last step is valid for any N >= 1
@@ -242,4 +247,4 @@ def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any
     return o.reshape(b, h, n, d), lse.reshape(b, h, n)
 
 
-ATTENTION = AttentionFamily()
+ATTENTION = register(AttentionFamily())

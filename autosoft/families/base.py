@@ -1,25 +1,41 @@
-"""The small interface every kernel family implements, and the values passed between the boxes."""
+"""The contract every kernel family implements, and the values passed between the boxes.
+
+A family is one module (a `Family` subclass instance registered with `families.register`), one
+template folder and one search-space file. Everything else in the package — the command line,
+the Python entry points, dispatch, export, the tuner, the conformance suite — reads only what a
+family declares here. `Family`'s docstrings are the contract: what each member receives,
+returns and may raise. `autosoft.testing.conformance` checks it for every registered family.
+"""
 from __future__ import annotations
 
+import abc
+import math
+import re
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 from ..compile import source_digest
+from ..dtypes import DTYPES, ITEMSIZE, check_dtype as _check_dtype
 from ..errors import UserError
 from ..render import render, template_digest
 from ..space import ParamValue, SearchSpace, load_space
 
-DTYPES = ("float32", "float16", "bfloat16")
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+__all__ = [
+    "DTYPES", "ITEMSIZE", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "Variant",
+    "build_variant", "family_template_digest", "is_valid", "space_of", "template_root", "valid_neighbours",
+]
+
+OptionValue = bool | int | float
+SUPPORTED_ARCHS: tuple[str, ...] = ("80", "86", "89", "90")  # cp.async, ldmatrix, mma.sync: sm_80 and newer
 
 
 @dataclass(frozen=True)
 class Target:
     """What a variant is built and laid out for: a GPU, or an architecture alone (CPU tests, render)."""
     arch: str                # "90" for sm_90
-    name: str = "unknown"    # GPU name, "" when rendering for an architecture only
+    name: str = "unknown"    # GPU name, "sm_90" when rendering for an architecture only
     sm_count: int = 132
     smem_optin: int = 227 * 1024  # opt-in shared memory per block, bytes
     l2_bytes: int = 50 * 1024 * 1024
@@ -32,16 +48,59 @@ class Target:
 
 
 @dataclass(frozen=True)
+class ProblemOption:
+    """A problem parameter besides shape and dtype that changes the result, declared by a family:
+    a flag (`kind="flag"`, e.g. causal) or a number (`"int"`, `"float"`, e.g. a split position).
+    It becomes `--name` on the command line and part of the cache key when it differs from its
+    default ("+causal", "+split=512")."""
+    name: str
+    help: str
+    kind: str = "flag"                 # "flag", "int" or "float"
+    default: OptionValue | None = None  # a flag's default is False; None: the option must be given
+    required: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flag", "int", "float"):
+            raise ValueError(f"option {self.name}: kind must be flag, int or float, not {self.kind!r}")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
+            raise ValueError(f"option {self.name!r}: use lower-case letters, digits and _")
+
+    @property
+    def initial(self) -> OptionValue | None:
+        return False if self.kind == "flag" else self.default
+
+    def parse(self, text: str) -> OptionValue:
+        """A value from its text form (the cache key's, the command line's)."""
+        try:
+            return {"flag": lambda t: t in ("", "1", "true", "True"), "int": int, "float": float}[self.kind](text)
+        except ValueError:
+            raise UserError(f"--{self.name.replace('_', '-')} {text!r}: expected {'an integer' if self.kind == 'int' else 'a number'}") from None
+
+
+@dataclass(frozen=True)
 class Problem:
+    """One problem: family, dtype, shape and the family's problem options that differ from their
+    defaults, as sorted (name, value) pairs. Build it with `Family.problem`, which checks it."""
     family: str
     dtype: str
     shape: tuple[int, ...]
-    flags: tuple[str, ...] = ()  # problem variants that change the result, e.g. ("causal",)
+    options: tuple[tuple[str, OptionValue], ...] = ()
+
+    def option(self, name: str, default: OptionValue | None = None) -> OptionValue | None:
+        return dict(self.options).get(name, default)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The names of the flags that are set, e.g. ("causal",)."""
+        return tuple(n for n, v in self.options if v is True)
 
     @property
     def shape_text(self) -> str:
-        """The shape as written in cache keys: 4096x8192, with flags appended (1x32x8192x64+causal)."""
-        return "x".join(map(str, self.shape)) + "".join(f"+{f}" for f in self.flags)
+        """The problem as written in cache keys: 4096x8192, with options appended
+        (1x32x8192x64+causal, 1x32x1024x128+causal+split=512)."""
+        parts = ["x".join(map(str, self.shape))]
+        parts += [name if value is True else f"{name}={value}" for name, value in self.options]
+        return "+".join(parts)
 
 
 PORTABLE_CLUSTER_BLOCKS = 8  # the largest cluster every sm_90 launch accepts without opting in
@@ -49,11 +108,12 @@ PORTABLE_CLUSTER_BLOCKS = 8  # the largest cluster every sm_90 launch accepts wi
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch. Each arg is a buffer name (bound at run time) or a literal numpy scalar.
-    cluster_blocks is the cluster size compiled into the kernel (__cluster_dims__), 1 for none:
-    past 8 blocks (the portable size) the launch must opt in to a non-portable cluster.
-    A cooperative launch has every block of its grid resident at once (or fails to launch),
-    for blocks that wait for each other."""
+    """One kernel launch. Each arg is a buffer name (bound at run time: a device pointer, or a
+    scalar such as attention's scale) or a literal numpy scalar. cluster_blocks is the cluster
+    size compiled into the kernel (__cluster_dims__), 1 for none: past 8 blocks (the portable
+    size) the launch must opt in to a non-portable cluster. A cooperative launch has every block
+    of its grid resident at once (or fails to launch), for blocks that wait for each other. The
+    buffer named "workspace" is the variant's zeroed scratch memory, which the runtime provides."""
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -85,34 +145,223 @@ class Variant:
         return source_digest(self.source, self.target.arch)
 
 
-class Family(Protocol):
-    """What a kernel family provides. Registering one: a module, a template folder, a YAML file."""
-    name: str
-    template: str            # path under templates/
-    inputs: tuple[str, ...]  # buffer names the caller provides
-    outputs: tuple[str, ...] # buffer names the variant writes
+class Family(abc.ABC):
+    """A kernel family: what it computes, its problems, how a point of its search space becomes
+    CUDA source and launches, and how a result is checked.
 
-    def parse_shape(self, text: str) -> tuple[int, ...]: ...
-    def check_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
-    def problem(self, shape_text: str, dtype: str, flags: tuple[str, ...] = ()) -> Problem: ...
-    def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]: ...
-    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str: ...
-    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]: ...
-    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]: ...
-    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]: ...
-    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]: ...
-    def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float: ...
-    def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
-    def bytes_moved(self, problem: Problem) -> int: ...
-    def flops(self, problem: Problem) -> float: ...
-    def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]: ...
-    def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]: ...
-    input_kinds: Sequence[str]
-    def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None: ...
+    Subclasses declare the class attributes below and implement the abstract methods; the rest
+    is shared. Methods that receive a `Problem` may assume `problem(...)` built it (checked);
+    methods that receive params may assume they passed `space.check_values` and every constraint.
+    Errors a user can cause (a bad shape, dtype or option) are `UserError` with a message that
+    says what to do; anything else raised is a bug in the family.
+    """
+
+    # --- declarations ----------------------------------------------------------------------
+    name: ClassVar[str]
+    """Registry name, CLI word and cache-key field: lower case, e.g. "softmax"."""
+    template: ClassVar[str]
+    """The main template, relative to `template_root` (e.g. "softmax/softmax.cu.j2")."""
+    template_root: ClassVar[Path | None] = None
+    """Folder the template is found in; None: the package's templates/."""
+    space_file: ClassVar[Path | None] = None
+    """The search-space YAML; None: the package's search_spaces/<name>.yaml."""
+    inputs: ClassVar[tuple[str, ...]]
+    """Names of the buffers the caller provides, in the order the Python entry point takes them
+    (arrays first; scalars bound at run time, such as "scale", after them)."""
+    outputs: ClassVar[tuple[str, ...]]
+    """Names of the buffers a variant writes; `output_specs` gives their shapes and dtypes."""
+    input_kinds: ClassVar[tuple[str, ...]]
+    """The kinds of random input `make_inputs` makes for verification (e.g. "normal", "neg_inf")."""
+    input_alignment: ClassVar[int] = 16
+    """Bytes each input array's address must be a multiple of; the call layer copies others
+    (contiguous copies are 256-byte aligned). Outputs always share the first input's address
+    modulo 16, so a family whose kernels take any element address says 1 (softmax)."""
+    dtypes: ClassVar[tuple[str, ...]] = DTYPES
+    """The element types it takes (names from autosoft.dtypes.DTYPES)."""
+    default_dtype: ClassVar[str] = "float32"
+    """The --dtype used when none is given; one of `dtypes`."""
+    options: ClassVar[tuple[ProblemOption, ...]] = ()
+    """Problem parameters besides shape and dtype (flags such as causal, numbers such as a split)."""
+    archs: ClassVar[tuple[str, ...]] = SUPPORTED_ARCHS
+    """Compute capabilities its templates compile for ("80", "90", ...)."""
+    shape_help: ClassVar[str] = "the problem shape"
+    """How --shape is written, with an example, for --help and error messages."""
+    examples: ClassVar[tuple[tuple[str, str, Mapping[str, OptionValue]], ...]] = ()
+    """(shape text, dtype, options) of problems that cover its edge cases: tiny, odd, large; the
+    conformance suite checks defaults, seeds, rendering and compilation on them."""
+
+    # --- problems ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def parse_shape(self, text: str) -> tuple[int, ...]:
+        """The shape written as `text` (--shape, a cache key), checked by `check_shape`.
+        Raises UserError naming the text and the expected form."""
+
+    @abc.abstractmethod
+    def check_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape as a tuple of ints if this family supports it, else UserError saying why."""
+
+    def problem(self, shape_text: str, dtype: str | None = None,
+                options: Mapping[str, OptionValue] | Iterable[str] = ()) -> Problem:
+        """A checked Problem. `options` is a name -> value mapping, or an iterable of flag names;
+        unknown options, a missing required one or a dtype outside `dtypes` raise UserError."""
+        dtype = _check_dtype(self.default_dtype if dtype is None else dtype, self.dtypes, self.name)
+        return Problem(self.name, dtype, self.parse_shape(shape_text), self.check_options(options))
+
+    def check_options(self, options: Mapping[str, OptionValue] | Iterable[str]) -> tuple[tuple[str, OptionValue], ...]:
+        """Options as a Problem holds them: declared, typed, defaults dropped, sorted by name."""
+        given = dict(options) if isinstance(options, Mapping) else {name: True for name in options}
+        declared = {o.name: o for o in self.options}
+        unknown = [name for name in given if name not in declared]
+        if unknown:
+            known = ", ".join("--" + n.replace("_", "-") for n in declared) or "none"
+            raise UserError(f"{self.name} takes no {', '.join('--' + n.replace('_', '-') for n in unknown)} "
+                            f"option (its options: {known})")
+        out: list[tuple[str, OptionValue]] = []
+        for name, option in sorted(declared.items()):
+            value = given.get(name, option.initial)
+            if value is None:
+                if option.required:
+                    raise UserError(f"{self.name} needs --{name.replace('_', '-')}: {option.help}")
+                continue
+            if option.kind == "flag":
+                value = bool(value)
+            elif option.kind == "int":
+                if isinstance(value, bool) or int(value) != value:
+                    raise UserError(f"--{name.replace('_', '-')} {value!r}: expected an integer")
+                value = int(value)
+            else:
+                value = float(value)
+            if value != option.initial:
+                out.append((name, value))
+        return tuple(out)
+
+    def parse_problem(self, text: str, dtype: str) -> Problem:
+        """The Problem whose `shape_text` is `text` (a cache key's shape field): the inverse of
+        Problem.shape_text. Raises UserError on text that no problem of this family writes."""
+        shape, *rest = str(text).split("+")
+        declared = {o.name: o for o in self.options}
+        options: dict[str, OptionValue] = {}
+        for part in rest:
+            name, sep, value = part.partition("=")
+            if name not in declared:
+                raise UserError(f"{self.name}: unknown option {name!r} in problem {text!r}")
+            options[name] = declared[name].parse(value) if sep else True
+        return self.problem(shape, dtype, options)
+
+    @abc.abstractmethod
+    def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
+        """The names the search space's derived values and constraints may use besides the
+        params (sizes, itemsize, the target's limits), for this problem on this target."""
+
+    # --- variants ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        """A readable name, unique among the valid points of one problem (FlashInfer style:
+        softmax_f16_t256_g256_v8_u1_registers_three_pass_shuffle); a C identifier."""
+
+    @abc.abstractmethod
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The template's arguments, from the evaluated values (params, problem values, derived).
+        "name" and "kernel_names" are added by build_variant."""
+
+    @abc.abstractmethod
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        """The launches of a variant, in order, and the bytes of zeroed workspace they share.
+        Every Launch.kernel is an extern "C" __global__ function of the rendered source taking
+        exactly len(args) arguments; string args name inputs, outputs or "workspace"."""
+
+    @abc.abstractmethod
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
+        """A valid, correct variant for any problem `problem()` accepts, without tuning."""
+
+    @abc.abstractmethod
+    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
+        """Valid points the tuner measures first (often better than the default), no repeats."""
+
+    # --- costs -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def bytes_moved(self, problem: Problem) -> int:
+        """Bytes a kernel must read and write at least: the copy it is compared with moves this."""
+
+    def flops(self, problem: Problem) -> float:
+        """Floating-point operations of the problem; 0 for a memory-bound family (reported in GB/s)."""
+        return 0.0
+
+    def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
+        """How far apart two shapes are for borrowing a tuned variant (0 for the same shape,
+        symmetric, math.inf where one can never serve the other): log2 steps per dimension."""
+        if len(a) != len(b):
+            return math.inf
+        return sum(abs(math.log2(x) - math.log2(y)) for x, y in zip(a, b))
+
+    def problem_distance(self, a: Problem, b: Problem) -> float:
+        """Distance between problems of one dtype: shape_distance when their options agree,
+        else math.inf. A family whose numeric options can be borrowed across overrides it."""
+        if a.options != b.options:
+            return math.inf
+        return self.shape_distance(a.shape, b.shape)
+
+    def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A smaller shape compiled to the same kernel, to verify a borrowed variant on."""
+        return shape
+
+    # --- checking (on the GPU through CuPy: xp is the cupy module) ---------------------------
+    @abc.abstractmethod
+    def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each output buffer's (shape, dtype) as the kernels write it, for every name in `outputs`."""
+
+    @abc.abstractmethod
+    def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
+        """Fresh random inputs of one of `input_kinds` (never zeros), every name in `inputs`."""
+
+    @abc.abstractmethod
+    def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
+        """None when the outputs are right for the inputs (every element written), else a
+        one-line description of the worst error."""
+
+    # --- the Python entry point ----------------------------------------------------------
+    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                    options: Mapping[str, OptionValue]) -> Problem:
+        """The Problem for a call with arrays of these shapes (names from `inputs`). Raises
+        ValueError for shapes that do not fit together. Default: the first input's shape."""
+        first = shapes[self.inputs[0]]
+        try:
+            return Problem(self.name, dtype, self.check_shape(tuple(first)), self.check_options(options))
+        except UserError as exc:
+            raise ValueError(f"autosoft.{self.name}: {exc}") from None
+
+    @abc.abstractmethod
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each output's (shape, dtype) as the caller receives it, from the shapes of the input
+        arrays alone (so that empty inputs get empty outputs without a Problem). Each holds as
+        many elements as the kernels' output_specs; softmax gives y the shape of x."""
+
+    # --- shared machinery --------------------------------------------------------------------
+    @property
+    def space(self) -> SearchSpace:
+        return space_of(self)
+
+    def is_valid(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
+        """Whether params are declared values that satisfy every constraint for this problem."""
+        return is_valid(self, problem, target, params)
+
+    def first_valid(self, problem: Problem, target: Target, base: Mapping[str, ParamValue],
+                    fallbacks: Sequence[Mapping[str, ParamValue]]) -> dict[str, ParamValue]:
+        """base with each fallback change applied in turn (cumulatively) until the point is valid:
+        how defaults walk towards the plainest variant. AssertionError when none is (a bug)."""
+        p = dict(base)
+        for change in ({}, *fallbacks):
+            p = {**p, **change}
+            if self.is_valid(problem, target, p):
+                return p
+        raise AssertionError(f"no valid default {self.name} variant for {problem}")
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
 
 
 def space_of(family: Family) -> SearchSpace:
-    """A family's search space: search_spaces/<name>.yaml, or the family's own `space_file`."""
+    """A family's search space: its `space_file`, or search_spaces/<name>.yaml."""
     path = getattr(family, "space_file", None)
     return _load_space_cached(family.name, str(path) if path else None)
 
@@ -170,6 +419,5 @@ def family_template_digest(family: Family) -> str:
 
 
 def check_dtype(dtype: str) -> str:
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    return dtype
+    """Kept for callers of the earlier interface: a dtype of autosoft.dtypes.DTYPES."""
+    return _check_dtype(dtype)

@@ -7,12 +7,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
-from .base import ITEMSIZE, Launch, Problem, Target, check_dtype, is_valid, valid_neighbours
+from . import register
+from .base import Family, Launch, OptionValue, Problem, Target, valid_neighbours
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}
 _SPLIT_NAMES = {"launches": "split", "cluster": "cluster", "grid": "grid"}  # in variant names: _split64
 INT32_MAX = 2**31 - 1
@@ -26,12 +27,19 @@ TOLERANCE = {
 }
 
 
-class SoftmaxFamily:
+class SoftmaxFamily(Family):
+    """y = softmax(x) over the last dimension of an (M, N) array; leading dimensions of a
+    caller's array are flattened into M."""
     name = "softmax"
     template = "softmax/softmax.cu.j2"
     inputs = ("x",)
     outputs = ("y",)
     input_kinds = ("normal", "normal_x100", "neg_inf", "equal_rows")
+    input_alignment = 1  # a row that starts mid-vector gets a scalar prefix
+    shape_help = "MxN: rows x row length, e.g. 4096x8192"
+    examples = (("1x1", "float32", {}), ("7x1025", "float16", {}), ("3x33", "bfloat16", {}),
+                ("4096x8192", "float32", {}), ("4097x8192", "bfloat16", {}), ("65536x64", "float16", {}),
+                ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {}))
 
     def parse_shape(self, text: str) -> tuple[int, int]:
         match = _SHAPE.match(str(text))
@@ -48,10 +56,16 @@ class SoftmaxFamily:
             raise UserError(f"shape {text!r}: rows longer than {INT32_MAX // 8} elements are not supported")
         return (int(shape[0]), int(shape[1]))
 
-    def problem(self, shape_text: str, dtype: str, flags: tuple[str, ...] = ()) -> Problem:
-        if flags:
-            raise UserError(f"softmax takes no {', '.join('--' + f for f in flags)} option")
-        return Problem(self.name, check_dtype(dtype), self.parse_shape(shape_text))
+    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                    options: Mapping[str, OptionValue]) -> Problem:
+        """Rows are everything but the last dimension: (A, B, N) is the problem (A*B)xN."""
+        shape = shapes["x"]
+        if len(shape) == 0:
+            raise ValueError("autosoft.softmax: x is a scalar; it needs at least one dimension")
+        return super().problem_for({"x": (math.prod(shape[:-1]), shape[-1])}, dtype, options)
+
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {"y": (tuple(shapes["x"]), dtype)}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, n = problem.shape
@@ -166,19 +180,12 @@ class SoftmaxFamily:
                                 "split": split, "threads": 512, "row_threads": 512, "persistent": False})
         return valid_neighbours(self, problem, target, base, changes)
 
-    def is_valid(self, problem: Problem, target: Target, params: Mapping[str, ParamValue]) -> bool:
-        return is_valid(self, problem, target, params)
-
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
-        # Walk towards the plainest variant until every constraint holds; the last step always does.
-        fallbacks = ({}, {"unroll": 1}, {"storage": "reread", "normalise": "online", "unroll": 1},
-                     {"split": 1, "combine": "launches", "threads": 128, "row_threads": 32},
-                     {"vec": 1, "threads": 32, "row_threads": 1})
-        for change in fallbacks:
-            p = {**p, **change}
-            if self.is_valid(problem, target, p):
-                return p
-        raise AssertionError(f"no valid default softmax variant for {problem}")  # the last step is valid for any N
+        # Walk towards the plainest variant until every constraint holds; the last step is valid for any N.
+        return self.first_valid(problem, target, p, (
+            {"unroll": 1}, {"storage": "reread", "normalise": "online", "unroll": 1},
+            {"split": 1, "combine": "launches", "threads": 128, "row_threads": 32},
+            {"vec": 1, "threads": 32, "row_threads": 1}))
 
     def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
         """How far apart two shapes are for borrowing a tuned variant: log2 steps, N weighs 4x."""
@@ -191,9 +198,6 @@ class SoftmaxFamily:
     def bytes_moved(self, problem: Problem) -> int:
         m, n = problem.shape
         return 2 * m * n * ITEMSIZE[problem.dtype]
-
-    def flops(self, problem: Problem) -> float:
-        return 0.0
 
     def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
         return {"y": (problem.shape, problem.dtype)}
@@ -230,22 +234,6 @@ class SoftmaxFamily:
                 f"expected {float(ref[r, c])!r}")
 
 
-def to_storage(x32: Any, dtype: str, xp: Any) -> Any:
-    """fp32 values -> the array the kernel reads (bf16 as uint16 bits, rounded to nearest even)."""
-    if dtype == "float32":
-        return x32
-    if dtype == "float16":
-        return x32.astype(np.float16)
-    u = x32.view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def to_float64(a: Any, dtype: str, xp: Any) -> Any:
-    if dtype == "bfloat16":
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
-
-
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -254,5 +242,5 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-SOFTMAX = SoftmaxFamily()
+SOFTMAX = register(SoftmaxFamily())
 

@@ -8,12 +8,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from autosoft.errors import UserError
-from autosoft.families.base import Launch, Problem, Target
+from autosoft.families.base import Family, Launch, Problem, Target
 
 HERE = Path(__file__).resolve().parent
 
 
-class FaultyFamily:
+class FaultyFamily(Family):
+    """y = 2x, with variants that fault, hang, fail to compile or compute the wrong thing."""
     name = "faulty"
     template = "faulty.cu.j2"
     template_root = HERE
@@ -21,6 +22,9 @@ class FaultyFamily:
     inputs = ("x",)
     outputs = ("y",)
     input_kinds = ("normal",)
+    dtypes = ("float32",)
+    shape_help = "N: an element count, e.g. 4096"
+    examples = (("1", "float32", {}), ("4096", "float32", {}), ("100001", "float32", {}))
 
     def parse_shape(self, text: str) -> tuple[int]:
         if not str(text).isdigit() or int(text) < 1:
@@ -28,10 +32,9 @@ class FaultyFamily:
         return (int(text),)
 
     def check_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return shape
-
-    def problem(self, shape_text: str, dtype: str = "float32", flags: tuple[str, ...] = ()) -> Problem:
-        return Problem(self.name, "float32", self.parse_shape(shape_text))
+        if len(shape) != 1 or shape[0] < 1:
+            raise UserError(f"faulty wants one positive element count, got {shape}")
+        return tuple(int(s) for s in shape)
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         return {"n": problem.shape[0]}
@@ -60,6 +63,9 @@ class FaultyFamily:
 
     def output_specs(self, problem: Problem):
         return {"y": (problem.shape, "float32")}
+
+    def caller_outputs(self, shapes, dtype):
+        return {"y": (tuple(shapes["x"]), "float32")}
 
     def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
         return {"x": rng.standard_normal(problem.shape, dtype=np.float32)}

@@ -1,0 +1,234 @@
+"""The array layer: CUDA torch tensors, CuPy arrays and other DLPack producers as device pointers,
+dtypes, streams and freshly allocated outputs, one way for every family.
+
+`call_family` is the generic path behind every public entry point (`autosoft.softmax`,
+`autosoft.attention`, ...): classify the arrays (a TypeError for host arrays, None, lists and
+the like, before any CUDA is touched), build the family's Problem from their shapes, make the
+inputs contiguous and aligned as the kernels need, allocate the outputs in the caller's
+framework, launch the dispatched variant on the caller's current stream, return the outputs.
+A call whose family, options and array signatures were seen before takes the plan prepared for
+them (kept in DISPATCHER.fast, which load_cache and forget clear): the per-call work is the
+output allocation and one launch.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+from .dispatch import DISPATCHER
+from .dtypes import CUPY_NAMES, TORCH_NAMES
+from .families import get_family
+from .families.base import Family, OptionValue, Problem
+
+VEC_ALIGN = 16  # the kernels read 16-byte vectors: an output shares its input's address mod 16
+
+
+def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, OptionValue] | None = None,
+                scalars: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+    """Run family `name` on `arrays` (in the order of its array inputs) with its problem options
+    and run-time scalar arguments; returns its outputs in the order of `family.outputs`, each in
+    the framework of the first array (torch in, torch out; a DLPack producer gives CuPy arrays).
+
+    Raises TypeError for host arrays, non-arrays, mixed frameworks and dtypes the family does not
+    take; ValueError for shapes it does not take; NoDeviceError where no GPU is usable.
+    """
+    options = options or {}
+    scalars = scalars or {}
+    torch = sys.modules.get("torch")
+    first = arrays[0] if arrays else None
+    if torch is not None and isinstance(first, torch.Tensor):
+        key = (name, tuple(options.items()), tuple(scalars),
+               *[(a.dtype, a.shape, a.get_device()) if isinstance(a, torch.Tensor) else None for a in arrays])
+        plan = DISPATCHER.fast.get(key)
+        if plan is None:
+            plan = _prepare(get_family(name), _TorchArrays(torch), arrays, options, tuple(scalars))
+            DISPATCHER.fast[key] = plan
+        return plan(arrays, tuple(scalars.values()))
+    family = get_family(name)
+    arrays = _as_cupy(family, arrays)
+    key = (name, tuple(options.items()), tuple(scalars),
+           *[(a.dtype, a.shape, a.data.device_id) for a in arrays])
+    plan = DISPATCHER.fast.get(key)
+    if plan is None:
+        plan = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options, tuple(scalars))
+        DISPATCHER.fast[key] = plan
+    return plan(arrays, tuple(scalars.values()))
+
+
+def _as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:
+    """CuPy arrays for CuPy arrays and DLPack CUDA producers; TypeError, before CUDA is touched,
+    for anything else."""
+    who = f"autosoft.{family.name}"
+    names = [n for n in family.inputs][:len(arrays)]
+    out = []
+    for name, a in zip(names, arrays):
+        type_name = f"{type(a).__module__}.{type(a).__name__}"
+        if type_name.startswith("cupy."):
+            out.append(a)
+            continue
+        if type_name.startswith("numpy."):
+            raise TypeError(f"{who}: {name} is a host (NumPy) array; move it to the GPU first (cupy.asarray({name}))")
+        if type_name.startswith("torch."):
+            raise TypeError(f"{who}: {name} is a torch tensor while the first argument is not; pass one kind of array")
+        if not hasattr(a, "__dlpack__"):
+            shown = type(a).__name__ if type(a).__module__ == "builtins" else type_name
+            raise TypeError(f"{who}: {name} is a {shown}, not a CuPy array, a CUDA torch tensor or a "
+                            "DLPack CUDA tensor")
+        from .runtime import cupy_module
+
+        try:
+            out.append(cupy_module().from_dlpack(a))
+        except Exception as exc:  # noqa: BLE001 - DLPack producers raise many kinds
+            if isinstance(exc, TypeError) or type(exc).__name__ == "NoDeviceError":
+                raise
+            raise TypeError(f"{who}: cannot view {type_name} on the GPU through DLPack: {exc}") from None
+    return out
+
+
+def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: Mapping[str, OptionValue],
+             scalar_names: tuple[str, ...]) -> Callable[..., tuple[Any, ...]]:
+    """Check one call signature and return its plan: plan(arrays, scalar_values) -> outputs."""
+    who = f"autosoft.{family.name}"
+    array_names = tuple(n for n in family.inputs if n not in scalar_names)
+    if len(arrays) != len(array_names):
+        raise TypeError(f"{who}: expected {len(array_names)} arrays ({', '.join(array_names)}), got {len(arrays)}")
+    fw.check(who, array_names, arrays)
+    dtypes = {fw.dtype(a) for a in arrays}
+    dtype = fw.dtype(arrays[0])
+    if dtype is None or dtype not in family.dtypes or len(dtypes) != 1:
+        got = ", ".join(str(a.dtype) for a in arrays)
+        raise TypeError(f"{who}: {'the arrays must share one dtype, ' if len(dtypes) > 1 else ''}"
+                        f"{family.dtypes} are supported, got {got}")
+    device = fw.device(arrays[0])
+    shapes = {n: tuple(int(s) for s in a.shape) for n, a in zip(array_names, arrays)}
+    outputs = family.caller_outputs(shapes, dtype)
+    if any(fw.size(a) == 0 for a in arrays):
+        def empty(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(fw.empty(shape, dt, device, 0) for shape, dt in outputs.values())
+        return empty
+    problem = family.problem_for(shapes, dtype, options)
+    launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names)
+    specs = tuple(outputs.values())
+    need_align = family.input_alignment
+    fix = fw.fix
+    empty_out = fw.empty
+    stream_of = fw.stream
+
+    def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+        arrays = [fix(a, need_align) for a in arrays]
+        ptrs = [fw.ptr(a) for a in arrays]
+        outs = tuple(empty_out(shape, dt, device, ptrs[0]) for shape, dt in specs)
+        launch(*ptrs, *[fw.ptr(o) for o in outs], *scalars, stream_of(device))
+        return outs
+
+    return plan
+
+
+class _Framework:
+    """What the plan needs of a framework: dtype names, pointers, devices, streams, allocation."""
+
+    def check(self, who: str, names: Sequence[str], arrays: Sequence[Any]) -> None: ...
+    def dtype(self, a: Any) -> str | None: ...
+    def device(self, a: Any) -> int: ...
+    def size(self, a: Any) -> int: ...
+    def ptr(self, a: Any) -> int: ...
+    def fix(self, a: Any, align: int) -> Any: ...
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, like_ptr: int) -> Any: ...
+    def stream(self, device: int) -> int: ...
+
+    def loaded(self, problem: Problem, device: int) -> Any:
+        from .runtime import cupy_module
+
+        with cupy_module().cuda.Device(device):
+            return DISPATCHER.loaded(problem, device)
+
+
+class _TorchArrays(_Framework):
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self._dtypes = {v: getattr(torch, v) for v in TORCH_NAMES.values()}
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        # the raw handle without building a torch Stream object (Triton reads it the same way)
+        self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+    def check(self, who: str, names: Sequence[str], arrays: Sequence[Any]) -> None:
+        torch = self.torch
+        for name, a in zip(names, arrays):
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{who}: {name} must be a torch tensor like the first argument, "
+                                f"not {type(a).__name__}")
+            if not a.is_cuda:
+                raise TypeError(f"{who}: {name} is a CPU tensor; move it to the GPU first ({name}.cuda())")
+        if len({a.device for a in arrays}) != 1:
+            raise ValueError(f"{who}: {', '.join(names)} must be on one device")
+
+    def dtype(self, a: Any) -> str | None:
+        return TORCH_NAMES.get(str(a.dtype))
+
+    def device(self, a: Any) -> int:
+        return a.get_device()
+
+    def size(self, a: Any) -> int:
+        return a.numel()
+
+    def ptr(self, a: Any) -> int:
+        return a.data_ptr()
+
+    def fix(self, a: Any, align: int) -> Any:
+        if a.is_contiguous() and a.data_ptr() % align == 0:
+            return a
+        return a.clone(memory_format=self.torch.contiguous_format)  # a fresh block is 256-byte aligned
+
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, like_ptr: int) -> Any:
+        torch = self.torch
+        out = torch.empty(shape, dtype=self._dtypes[dtype], device=device)
+        misalign = like_ptr % VEC_ALIGN
+        if misalign == out.data_ptr() % VEC_ALIGN:
+            return out
+        itemsize = out.element_size()
+        flat = torch.empty(out.numel() + VEC_ALIGN // itemsize, dtype=out.dtype, device=device)
+        start = misalign // itemsize
+        return flat[start:start + out.numel()].view(shape)
+
+
+class _CupyArrays(_Framework):
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+
+    def check(self, who: str, names: Sequence[str], arrays: Sequence[Any]) -> None:
+        if len({a.data.device_id for a in arrays}) != 1:
+            raise ValueError(f"{who}: {', '.join(names)} must be on one device")
+
+    def dtype(self, a: Any) -> str | None:
+        return CUPY_NAMES.get(str(a.dtype))
+
+    def device(self, a: Any) -> int:
+        return a.data.device_id
+
+    def size(self, a: Any) -> int:
+        return a.size
+
+    def ptr(self, a: Any) -> int:
+        return a.data.ptr
+
+    def fix(self, a: Any, align: int) -> Any:
+        if a.flags.c_contiguous and a.data.ptr % align == 0:
+            return a
+        with a.device:
+            return self.cp.array(a, order="C", copy=True)  # a fresh block is 256-byte aligned
+
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, like_ptr: int) -> Any:
+        cp = self.cp
+        with cp.cuda.Device(device):
+            out = cp.empty(shape, dtype=dtype)
+            misalign = like_ptr % VEC_ALIGN
+            if misalign == out.data.ptr % VEC_ALIGN:
+                return out
+            flat = cp.empty(out.size + VEC_ALIGN // out.itemsize, dtype=dtype)
+            start = misalign // out.itemsize
+            return flat[start:start + out.size].reshape(shape)
+
+    def stream(self, device: int) -> int:
+        cp = self.cp
+        with cp.cuda.Device(device):
+            return cp.cuda.get_current_stream().ptr

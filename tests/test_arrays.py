@@ -1,0 +1,65 @@
+"""arrays.py, the layer under every public entry point: what it refuses before touching CUDA, and
+how a family turns the caller's arrays into a Problem."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import autosoft
+from autosoft import dispatch, runtime
+from autosoft.families import get_family
+
+SOFTMAX = get_family("softmax")
+ATTENTION = get_family("attention")
+
+
+@pytest.fixture
+def no_gpu_allowed(monkeypatch):
+    """Any attempt to reach CuPy or a device fails the test."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("this path must not look for a GPU")
+
+    monkeypatch.setattr(runtime, "cupy_module", forbidden)
+    monkeypatch.setattr(runtime, "device_info", forbidden)
+    monkeypatch.setattr(dispatch, "device_info", forbidden)
+
+
+@pytest.mark.parametrize("value, needle", [
+    (None, "NoneType"), ([1.0, 2.0], "list"), (1.5, "float"), ("x", "str"), (object(), "object"),
+])
+def test_non_arrays_are_a_type_error_without_a_device(no_gpu_allowed, value, needle):
+    with pytest.raises(TypeError, match=needle):
+        autosoft.softmax(value)
+    with pytest.raises(TypeError, match="CuPy array"):
+        autosoft.attention(value, value, value)
+
+
+def test_host_arrays_to_attention_are_a_type_error_without_a_device(no_gpu_allowed):
+    q = np.ones((1, 2, 8, 64), dtype=np.float16)
+    with pytest.raises(TypeError, match="host"):
+        autosoft.attention(q, q, q)
+
+
+def test_softmax_problem_flattens_leading_dimensions():
+    assert SOFTMAX.problem_for({"x": (2, 3, 5)}, "float16", {}).shape == (6, 5)
+    assert SOFTMAX.problem_for({"x": (7,)}, "float32", {}).shape == (1, 7)
+    assert SOFTMAX.caller_outputs({"x": (2, 3, 5)}, "float16") == {"y": ((2, 3, 5), "float16")}
+    with pytest.raises(ValueError, match="scalar"):
+        SOFTMAX.problem_for({"x": ()}, "float32", {})
+    with pytest.raises(ValueError):
+        SOFTMAX.problem_for({"x": (4, 0)}, "float32", {})
+    with pytest.raises(ValueError):
+        SOFTMAX.problem_for({"x": (1, 2**31)}, "float32", {})
+
+
+def test_attention_problem_needs_one_shape_and_carries_causal():
+    shapes = {"q": (1, 2, 77, 64), "k": (1, 2, 77, 64), "v": (1, 2, 77, 64)}
+    problem = ATTENTION.problem_for(shapes, "bfloat16", {"causal": True})
+    assert problem.shape == (1, 2, 77, 64) and problem.flags == ("causal",)
+    assert ATTENTION.problem_for(shapes, "bfloat16", {"causal": False}).options == ()
+    assert ATTENTION.caller_outputs(shapes, "float16") == {"o": ((1, 2, 77, 64), "float16"),
+                                                           "lse": ((1, 2, 77), "float32")}
+    with pytest.raises(ValueError, match="one shape"):
+        ATTENTION.problem_for({**shapes, "k": (1, 2, 78, 64)}, "float16", {})
+    with pytest.raises(ValueError, match="head dim"):
+        ATTENTION.problem_for({n: (1, 2, 77, 48) for n in shapes}, "float16", {})
