@@ -6,7 +6,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
 from .dtypes import poisoned
 from .errors import one_line

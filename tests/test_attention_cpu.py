@@ -1,4 +1,5 @@
-"""CPU tier for the attention family: shapes, search space, rendering, NVRTC and nvcc builds, the checker."""
+"""CPU tier for the attention family: shapes, search space, rendering, nvcc builds, the checker (the
+conformance suite compiles a sample of its variants with NVRTC)."""
 from __future__ import annotations
 
 import math
@@ -9,13 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autosoft.compile import compile_source
 from autosoft.errors import UserError
 from autosoft.families import get_family
 from autosoft.families.attention import reference
 from autosoft.families.base import Target, build_variant, space_of
-
-from helpers import sample_points  # noqa: E402
 
 FAMILY = get_family("attention")
 ARCHS = ("90", "80")
@@ -33,10 +31,6 @@ PROBLEMS = [
 
 def _values(problem, arch="90"):
     return FAMILY.problem_values(problem, Target.for_arch(arch))
-
-
-def _sample(problem, arch: str, k: int, seed: int) -> list[dict]:
-    return sample_points(FAMILY, problem, Target.for_arch(arch), k, seed)
 
 
 # --- shapes and problems ----------------------------------------------------------------
@@ -153,20 +147,6 @@ def test_rendered_source_uses_tensor_core_ptx():
                    "cp.async.commit_group", "cp.async.wait_group", "__shfl_xor_sync", "exp2f"):
         assert needle in src, needle
     assert "#include" not in src
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("shape, dtype, flags", PROBLEMS)
-def test_sampled_variants_compile_with_nvrtc(shape, dtype, flags, arch):
-    problem = FAMILY.problem(shape, dtype, flags)
-    target = Target.for_arch(arch)
-    failures = []
-    for params in _sample(problem, arch, 3, seed=len(shape) * 31 + int(arch)):
-        variant = build_variant(FAMILY, problem, params, target)
-        result = compile_source(variant.source, arch)
-        if not result.ok:
-            failures.append(f"{variant.name}: {result.log[:2000]}")
-    assert not failures, "\n".join(failures)
 
 
 def _tool(name: str) -> str | None:

@@ -1,0 +1,1 @@
+"""Test helpers that ship with autosoft: the family conformance suite (`conformance`)."""
