@@ -16,6 +16,7 @@ up nor read the store again.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from .kernel_store import KernelStore, default_store
 from .runtime import DeviceInfo, LoadedVariant, device_info
 
 TUNED = "tuned"
+_VERSION = re.compile(r"^(\d+)\.(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def nvrtc_match(entry: CacheKey, key: CacheKey) -> str | None:
     if replace(entry, shape=key.shape) == key:
         return EXACT_NVRTC
     if replace(entry, shape=key.shape, cuda_version=key.cuda_version) == key \
-            and _major(entry.cuda_version) is not None and _major(entry.cuda_version) == _major(key.cuda_version):
+            and _same_major(entry.cuda_version, key.cuda_version):
         return SAME_MAJOR
     return None
 
@@ -187,17 +189,21 @@ def _source(entry: Entry, key: CacheKey, match: str) -> str:
     return nearest if match == EXACT_NVRTC else f"{nearest}, tuned with NVRTC {entry.key.cuda_version}"
 
 
-def _major(version: str) -> str | None:
-    major = version.split(".")[0].strip()
-    return major if major.isdigit() else None
+def _version(text: str) -> tuple[int, int] | None:
+    """(major, minor) of an NVRTC version as keys write it ("13.0"); None for anything else."""
+    found = _VERSION.match(text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def _minor_gap(a: str, b: str) -> float:
-    """How far apart two versions of one major are (13.0 and 13.5: 5); unparsable: last."""
-    try:
-        return abs(float(a.split(".")[1]) - float(b.split(".")[1]))
-    except (IndexError, ValueError):
-        return math.inf
+def _same_major(a: str, b: str) -> bool:
+    va, vb = _version(a), _version(b)
+    return va is not None and vb is not None and va[0] == vb[0]
+
+
+def _minor_gap(a: str, b: str) -> int:
+    """How far apart two versions of one major are (13.0 and 13.5: 5)."""
+    va, vb = _version(a), _version(b)
+    return abs(va[1] - vb[1]) if va and vb else 0
 
 
 def cache_key(problem: Problem, device: DeviceInfo, family: Family | None = None) -> CacheKey:
@@ -243,7 +249,7 @@ def _local_nvrtc() -> str | None:
 def _nvrtc_rank(version: str, local: str | None) -> int:
     if local is None or version == local:
         return 0
-    return 1 if _major(version) is not None and _major(version) == _major(local) else 2
+    return 1 if _same_major(version, local) else 2
 
 
 def _shape_distance(family: Family, a: CacheKey, b: CacheKey) -> float:
