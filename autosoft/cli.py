@@ -174,19 +174,55 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """Entries sorted by family, dtype, shape (dimensions as numbers), GPU; each with the NVRTC
+    version that tuned it and whether it would serve on this machine: "exact" (this GPU and
+    NVRTC), "same major" (another minor version: verified on first use), "no", or "-" without
+    a GPU or NVRTC to compare with."""
+    from .dispatch import cache_key, nvrtc_match
+    from .families.base import Problem
+
     path = args.cache or default_cache_path()
     if not path.exists():
         print(f"no cache at {path} (autosoft tune creates it)")
         return 0
-    entries = Cache(path, create=False).entries()
-    print(f"{path}: {len(entries)} entries")
+    try:
+        from .runtime import device_info
+
+        here = device_info()
+    except UserError:  # no GPU, CuPy or NVRTC: nothing to compare an entry with
+        here = None
+
+    def shape_order(shape: str) -> tuple:
+        dims, _, flags = shape.partition("+")
+        try:
+            return (0, tuple(int(d) for d in dims.split("x")), flags)
+        except ValueError:
+            return (1, (), shape)  # not a shape of numbers: after the others, as text
+
+    def serves(e) -> str:
+        if here is None:
+            return "-"
+        try:  # the key this machine would look up for the entry's own problem
+            dims, _, flags = e.key.shape.partition("+")
+            problem = Problem(e.key.family, e.key.dtype, tuple(int(d) for d in dims.split("x")),
+                              tuple(f for f in flags.split("+") if f))
+            return nvrtc_match(e.key, cache_key(problem, here)) or "no"
+        except (UserError, ValueError):  # a family this autosoft does not know, or a malformed shape
+            return "no"
+
+    entries = sorted(Cache(path, create=False).entries(),
+                     key=lambda e: (e.key.family, e.key.dtype, shape_order(e.key.shape), e.key.gpu_name,
+                                    e.key.cuda_version))
+    where = f"; here: {here.name}, NVRTC {here.cuda_version}" if here else "; no GPU or NVRTC here to tell what serves"
+    print(f"{path}: {len(entries)} entries{where}")
     if entries:
-        print(f"{'family':9} {'dtype':9} {'shape':14} {'gpu':22} {'sm':4} {'cuda':5} {'time (us)':>10} "
-              f"{'% of copy':>9}  variant")
+        print(f"{'family':9} {'dtype':9} {'shape':14} {'gpu':22} {'sm':4} {'nvrtc':6} {'serves':10} "
+              f"{'time (us)':>10} {'% of copy':>9}  variant")
     for e in entries:
         pct = f"{100 * e.copy_time_us / e.time_us:8.1f}%" if e.copy_time_us else f"{'-':>9}"
         print(f"{e.key.family:9} {e.key.dtype:9} {e.key.shape:14} {e.key.gpu_name[:22]:22} "
-              f"{e.key.compute_capability:4} {e.key.cuda_version:5} {e.time_us:10.2f} {pct}  {e.variant_name}")
+              f"{e.key.compute_capability:4} {e.key.cuda_version:6} {serves(e):10} {e.time_us:10.2f} {pct}  "
+              f"{e.variant_name}")
     return 0
 
 

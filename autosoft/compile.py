@@ -1,12 +1,17 @@
 """NVRTC compilation to a cubin: the only place that builds kernels.
 
 Works without a GPU (the CPU test tier and the compile pool use it): it talks to NVRTC
-through CuPy's low-level binding, not through CuPy's driver-backed compiler.
+through CuPy's low-level binding, not through CuPy's driver-backed compiler. CuPy loads
+libnvrtc on the binding's first call; when it is missing that call fails with a long
+pathfinder report, which becomes one UserError saying which extra brings NVRTC.
 """
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 from .errors import UserError
 
@@ -20,9 +25,12 @@ class CompileResult:
     log: str
 
 
+@lru_cache(maxsize=1)  # a failure raises, so only a loaded NVRTC's version is remembered
 def nvrtc_version() -> str:
-    nvrtc = _nvrtc()
-    major, minor = nvrtc.getVersion()
+    """The local NVRTC's version, e.g. "13.0": part of every variant digest and cache key.
+
+    Cached: a process asks for it once per variant it dispatches, and it cannot change."""
+    major, minor = _nvrtc().getVersion()
     return f"{major}.{minor}"
 
 
@@ -53,7 +61,20 @@ def compile_source(source: str, arch: str, name: str = "kernel.cu") -> CompileRe
         nvrtc.destroyProgram(prog)
 
 
-def _nvrtc():
+@lru_cache(maxsize=1)  # a failure raises, so the probe runs again until libnvrtc loads
+def _nvrtc() -> Any:
+    """CuPy's NVRTC binding with libnvrtc loaded, or a one-line UserError saying what to install."""
+    nvrtc = _binding()
+    try:
+        nvrtc.getVersion()  # the first call loads libnvrtc: a missing library fails here, not mid-compile
+    except (RuntimeError, OSError, ImportError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError is a RuntimeError
+        found = re.search(r"libnvrtc[\w.]*", str(exc))
+        library = found.group(0) if found else "libnvrtc"
+        raise UserError(f"NVRTC ({library}) could not be loaded: {_install_hint()}") from None
+    return nvrtc
+
+
+def _binding() -> Any:
     try:
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -61,3 +82,16 @@ def _nvrtc():
             "CuPy is not installed: pip install 'autosoft[cuda13]' (or [cuda12]) on a CUDA machine"
         ) from exc
     return nvrtc
+
+
+def _install_hint() -> str:
+    """What brings NVRTC: the extra matching the installed CuPy wheel, else both."""
+    from importlib import metadata
+
+    for major in ("13", "12"):
+        try:
+            metadata.version(f"cupy-cuda{major}x")
+        except metadata.PackageNotFoundError:
+            continue
+        return f"pip install 'autosoft[cuda{major}]' (it brings NVRTC for CUDA {major})"
+    return "pip install 'autosoft[cuda13]' (CUDA 13 driver) or 'autosoft[cuda12]' (CUDA 12), which bring NVRTC"

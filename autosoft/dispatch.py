@@ -1,38 +1,61 @@
 """From a call like autosoft.softmax(x) to a launch: pick the variant, keep it loaded, run it.
 
-Choice, in order: the variant tuned for this exact problem on this GPU; else the variant
-tuned for the nearest shape (same family, dtype, GPU and digests) whose params are valid
-for this shape; else the family's heuristic default. A variant not tuned for this exact
-shape is verified on this shape before its first use. Loaded variants are kept per
-(family, dtype, shape, device), so repeated calls neither look up nor compile again.
+Choice, in order, among entries of the same family, dtype, GPU and digests: tuned with this
+NVRTC version for this exact shape; with this NVRTC for the nearest shape whose params are
+valid for this shape; tuned with another NVRTC of the same major version (13.0 here on 13.5),
+exact shape, then nearest; else the family's heuristic default. Another major version is never
+used. Only the first is trusted as it is: any other choice is rebuilt from its params, compiled
+with the local NVRTC and verified on this shape before its first use.
+
+Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
+fresh process with a warm store loads without NVRTC, and a verification is recorded there per
+digest: every row count M of one softmax row length shares one compile and one verification.
+Loaded variants are also kept per (problem, device) in memory, so repeated calls neither look
+up nor read the store again.
 """
 from __future__ import annotations
 
 import math
+import re
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from .cache import Cache, CacheKey, Entry, default_cache_path
-from .compile import compile_source
+from .compile import nvrtc_version
 from .errors import UserError
 from .evaluate import verify
 from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
+from .kernel_store import KernelStore, default_store
 from .runtime import DeviceInfo, LoadedVariant, device_info
+
+TUNED = "tuned"
+_VERSION = re.compile(r"^(\d+)\.(\d+)$")
 
 
 @dataclass(frozen=True)
 class Choice:
     variant: Variant
-    source: str  # "tuned", "nearest <shape>" or "default"
+    # "tuned", "nearest <shape>", "tuned with NVRTC 13.0", "nearest <shape>, tuned with NVRTC 13.0"
+    # or "default"
+    source: str
+    entry: Entry | None = None  # the cache entry whose params were taken; None for the default
+
+    @property
+    def trusted(self) -> bool:
+        """Tuned and verified for exactly this problem, GPU and compiler: used without a check."""
+        return self.source == TUNED
 
 
 class Dispatcher:
-    """In-memory caches behind the public API: entries read from cache files, loaded variants."""
+    """In-memory caches behind the public API: entries read from cache files, loaded variants.
 
-    def __init__(self) -> None:
+    store: the kernel store to use; None uses the one the environment names at each load."""
+
+    def __init__(self, store: KernelStore | None = None) -> None:
+        self._store = store
         self._lock = threading.RLock()  # _prepare reads entries() while holding it
         self._extra_files: list[Path] = []
         self._entries: list[Entry] | None = None
@@ -71,24 +94,32 @@ class Dispatcher:
             self._loaded.clear()
             self.fast.clear()
 
+    @property
+    def store(self) -> KernelStore:
+        return self._store if self._store is not None else default_store()
+
     # -- choosing -----------------------------------------------------------------------
     def choose(self, problem: Problem) -> Choice:
+        """The variant for this problem on this GPU, and where it comes from (see the module doc)."""
         family = get_family(problem.family)
         target = device_info().target
         key = cache_key(problem, device_info())
-        candidates = [e for e in self.entries() if e.key.same_except_shape(key)]
-        exact = [e for e in candidates if e.key.shape == key.shape]
-        if exact:
-            best = min(exact, key=lambda e: e.time_us)
-            return Choice(build_variant(family, problem, best.params, target), "tuned")
-        distances = [(_shape_distance(family, e.key, key), i) for i, e in enumerate(candidates)]
-        for _, i in sorted(d for d in distances if d[0] < math.inf):
-            entry = candidates[i]
-            try:
-                variant = build_variant(family, problem, entry.params, target)
-            except UserError:
-                continue  # invalid for this shape
-            return Choice(variant, f"nearest {entry.key.shape}")
+        usable = [e for e in self.entries() if nvrtc_match(e.key, key) is not None]
+        for match in (EXACT_NVRTC, SAME_MAJOR):
+            candidates = [e for e in usable if nvrtc_match(e.key, key) == match]
+            gap = {id(e): _minor_gap(e.key.cuda_version, key.cuda_version) for e in candidates}  # nearest minor first
+            exact = [e for e in candidates if e.key.shape == key.shape]
+            if exact:
+                best = min(exact, key=lambda e: (gap[id(e)], e.time_us))
+                return Choice(build_variant(family, problem, best.params, target), _source(best, key, match), best)
+            distances = [(_shape_distance(family, e.key, key), gap[id(e)], i) for i, e in enumerate(candidates)]
+            for _, _, i in sorted(d for d in distances if d[0] < math.inf):
+                entry = candidates[i]
+                try:
+                    variant = build_variant(family, problem, entry.params, target)
+                except UserError:
+                    continue  # invalid for this shape
+                return Choice(variant, _source(entry, key, match), entry)
         return Choice(build_variant(family, problem, family.default_params(problem, target), target), "default")
 
     def loaded(self, problem: Problem, device_index: int) -> LoadedVariant:
@@ -104,30 +135,75 @@ class Dispatcher:
         return found
 
     def _prepare(self, problem: Problem) -> LoadedVariant:
+        """Choose, take the cubin from the store (NVRTC only on a miss), verify an untrusted
+        choice unless its digest was verified before on this kind of GPU, load."""
+        store = self.store
         choice = self.choose(problem)
         variant = choice.variant
-        cubin = _compile_or_fail(variant)
-        if choice.source != "tuned":
-            _verify_on_shape(variant)
+        cubin = _compile_or_fail(variant, store)
+        if not choice.trusted and not store.is_verified(variant):
+            _verify_on_shape(variant, store)
+            store.mark_verified(variant)
         return LoadedVariant(variant, cubin)
 
 
-def _compile_or_fail(variant: Variant) -> bytes:
-    result = compile_source(variant.source, variant.target.arch)
-    if not result.ok:
-        raise RuntimeError(f"autosoft: {variant.name} does not compile: {result.log.splitlines()[0]}")
-    return result.cubin
+def _compile_or_fail(variant: Variant, store: KernelStore) -> bytes:
+    """The variant's cubin from the store, compiled on a miss; RuntimeError when it does not compile."""
+    return store.get_or_compile(variant)  # CompileFailed is a RuntimeError naming the variant
 
 
-def _verify_on_shape(variant: Variant) -> None:
-    """Check an untuned choice on random data of this row length before it runs for real."""
+def _verify_on_shape(variant: Variant, store: KernelStore) -> None:
+    """Check an untuned choice on random data of this row length before it runs for real.
+
+    The check runs at the family's verification shape, whose source (softmax: fewer rows of the
+    same length) is the variant's own, so its cubin is the one already in the store."""
     family = get_family(variant.family)
     shape = family.verification_shape(variant.problem.shape)
     small = build_variant(family, replace(variant.problem, shape=shape), variant.params, variant.target)
-    wrong = verify(family, LoadedVariant(small, _compile_or_fail(small)), seed=1)
+    wrong = verify(family, LoadedVariant(small, _compile_or_fail(small, store)), seed=1)
     if wrong:
         raise RuntimeError(f"autosoft: {variant.name} failed verification on shape {variant.problem.shape_text}: "
                            f"{wrong}; re-tune this shape with `autosoft tune`")
+
+
+EXACT_NVRTC = "exact"
+SAME_MAJOR = "same major"
+
+
+def nvrtc_match(entry: CacheKey, key: CacheKey) -> str | None:
+    """How an entry's key matches ours when shapes are set aside: EXACT_NVRTC when all of it does,
+    SAME_MAJOR when only the NVRTC minor version differs (13.0 for 13.5), else None."""
+    if replace(entry, shape=key.shape) == key:
+        return EXACT_NVRTC
+    if replace(entry, shape=key.shape, cuda_version=key.cuda_version) == key \
+            and _same_major(entry.cuda_version, key.cuda_version):
+        return SAME_MAJOR
+    return None
+
+
+def _source(entry: Entry, key: CacheKey, match: str) -> str:
+    """Choice.source for an entry: tuned, nearest <shape>, and which NVRTC tuned it when not ours."""
+    if entry.key.shape == key.shape:
+        return TUNED if match == EXACT_NVRTC else f"{TUNED} with NVRTC {entry.key.cuda_version}"
+    nearest = f"nearest {entry.key.shape}"
+    return nearest if match == EXACT_NVRTC else f"{nearest}, tuned with NVRTC {entry.key.cuda_version}"
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    """(major, minor) of an NVRTC version as keys write it ("13.0"); None for anything else."""
+    found = _VERSION.match(text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _same_major(a: str, b: str) -> bool:
+    va, vb = _version(a), _version(b)
+    return va is not None and vb is not None and va[0] == vb[0]
+
+
+def _minor_gap(a: str, b: str) -> int:
+    """How far apart two versions of one major are (13.0 and 13.5: 5)."""
+    va, vb = _version(a), _version(b)
+    return abs(va[1] - vb[1]) if va and vb else 0
 
 
 def cache_key(problem: Problem, device: DeviceInfo, family: Family | None = None) -> CacheKey:
@@ -140,7 +216,9 @@ def cache_key(problem: Problem, device: DeviceInfo, family: Family | None = None
 def find_entry(cache: Cache | None, problem: Problem, path: Path) -> tuple[Entry, Target]:
     """The fastest current entry for a problem (this GPU's when one is present), and its target.
 
-    Works without a GPU, so a kernel tuned elsewhere can be exported from any machine."""
+    Works without a GPU, so a kernel tuned elsewhere can be exported from any machine. Entries
+    tuned with this NVRTC version come first, then those of its major version, then the rest
+    (a .cu file is built by whatever nvcc the user has); without a loadable NVRTC, all alike."""
     family = get_family(problem.family)
     entries = [] if cache is None else [
         e for e in cache.entries()
@@ -155,9 +233,23 @@ def find_entry(cache: Cache | None, problem: Problem, path: Path) -> tuple[Entry
         on = f" on {here.name}" if here else ""
         raise UserError(f"no tuned {problem.family} {problem.shape_text} {problem.dtype}{on} in {path}; "
                         f"run `autosoft tune {problem.family} --shape {problem.shape_text} --dtype {problem.dtype}` first")
-    best = min(entries, key=lambda e: e.time_us)
+    local = here.cuda_version if here else _local_nvrtc()
+    best = min(entries, key=lambda e: (_nvrtc_rank(e.key.cuda_version, local), e.time_us))
     target = here.target if here else Target.for_arch(best.key.compute_capability)
     return best, target
+
+
+def _local_nvrtc() -> str | None:
+    try:
+        return nvrtc_version()
+    except UserError:
+        return None  # no NVRTC here: every entry ranks alike
+
+
+def _nvrtc_rank(version: str, local: str | None) -> int:
+    if local is None or version == local:
+        return 0
+    return 1 if _same_major(version, local) else 2
 
 
 def _shape_distance(family: Family, a: CacheKey, b: CacheKey) -> float:

@@ -144,6 +144,69 @@ def test_list_shows_entries(tmp_path):
     assert "softmax_f32_other" in result.stdout and "NVIDIA H200" in result.stdout
 
 
+def _rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("family"))
+    return [line.split() for line in lines[header + 1:]]
+
+
+def test_list_sorts_shapes_by_their_numbers_and_shows_the_nvrtc(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache = Cache(cache_dir / "kernels.sqlite")
+    for shape, dtype, version in (("65536x64", "float32", "13.0"), ("4096x1024", "float32", "13.0"),
+                                  ("4096x128", "float32", "12.8"), ("4096x128", "float16", "13.5"),
+                                  ("512x8192", "float32", "13.0")):
+        cache.put(make_entry(softmax_key(shape, dtype, cuda_version=version)))
+    result = run_cli(["list"], cache_dir)
+    assert result.returncode == 0, result.stderr
+    header = next(line for line in result.stdout.splitlines() if line.startswith("family"))
+    assert header.split()[:8] == ["family", "dtype", "shape", "gpu", "sm", "nvrtc", "serves", "time"]
+    assert "cuda" not in header
+    rows = _rows(result.stdout)
+    assert [(r[1], r[2], r[6]) for r in rows] == [
+        ("float16", "4096x128", "13.5"), ("float32", "512x8192", "13.0"), ("float32", "4096x128", "12.8"),
+        ("float32", "4096x1024", "13.0"), ("float32", "65536x64", "13.0")]
+
+
+@pytest.mark.skipif(gpu_available(), reason="without a GPU, list cannot tell which entries serve")
+def test_list_without_a_gpu_cannot_tell_what_serves(tmp_path):
+    cache_dir = tmp_path / "cache"
+    Cache(cache_dir / "kernels.sqlite").put(make_entry(softmax_key("4096x128")))
+    result = run_cli(["list"], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert "no GPU" in result.stdout.splitlines()[0]
+    assert _rows(result.stdout)[0][7] == "-"
+
+
+def test_list_says_which_entries_would_serve_here(tmp_path, monkeypatch, capsys):
+    import autosoft.runtime as runtime
+    from autosoft.cli import main
+    from autosoft.families.base import Target
+    from autosoft.runtime import DeviceInfo
+
+    here = DeviceInfo(0, Target(arch="90", name="NVIDIA H200"), "13.5")
+    monkeypatch.setattr(runtime, "device_info", lambda index=None: here)
+    path = tmp_path / "k.sqlite"
+    cache = Cache(path)
+    for shape, changes in (("1x1000", {"cuda_version": "13.5"}), ("2x1000", {"cuda_version": "13.0"}),
+                           ("3x1000", {"cuda_version": "12.8"}), ("4x1000", {"gpu_name": "NVIDIA A100"}),
+                           ("5x1000", {"template_digest": "0" * 64})):
+        cache.put(make_entry(softmax_key(shape, **{"cuda_version": "13.5", **changes})))
+    from autosoft.families import get_family
+    from autosoft.families.base import family_template_digest, space_of
+
+    attention = get_family("attention")
+    cache.put(make_entry(softmax_key("1x32x128x64+causal", "float16", family="attention", cuda_version="13.0",
+                                     template_digest=family_template_digest(attention),
+                                     space_digest=space_of(attention).digest), params={}))
+    assert main(["list", "--cache", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200, NVRTC 13.5" in out.splitlines()[0]
+    serves = {r[2]: " ".join(r[7:9]) if r[7] == "same" else r[7] for r in _rows(out)}
+    assert serves == {"1x1000": "exact", "2x1000": "same major", "3x1000": "no", "4x1000": "no",
+                      "5x1000": "no", "1x32x128x64+causal": "same major"}
+
+
 def test_list_of_an_empty_cache(tmp_path):
     path = tmp_path / "empty.sqlite"
     Cache(path)

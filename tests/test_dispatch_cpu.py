@@ -1,17 +1,22 @@
 """dispatch.py and api.py without a GPU: the shape distance, which cache entry is chosen (with a
-stand-in device), and the API's refusal of host arrays before it looks for a device."""
+stand-in device), loading through the kernel store (a stand-in loader and verifier), and the
+API's refusal of host arrays before it looks for a device."""
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import autosoft
+import autosoft.compile as compiler
 import autosoft.dispatch as dispatch
+import autosoft.kernel_store as kernel_store
 import autosoft.runtime as runtime
 from autosoft.cache import Cache
+from autosoft.compile import CompileResult
 from autosoft.dispatch import Dispatcher, _shape_distance, find_entry
 from autosoft.errors import UserError
 from autosoft.families import get_family
@@ -179,6 +184,178 @@ def test_find_entry_without_a_device_uses_the_entry_architecture(monkeypatch, tm
     assert entry.key.compute_capability == "80" and target.arch == "80"
     with pytest.raises(UserError, match="autosoft tune"):
         find_entry(cache, Problem("softmax", "float32", (256, 4097)), cache.path)
+
+
+# --- NVRTC versions: exact first, then the same major version -----------------------------------
+
+H200_13_5 = replace(H200, cuda_version="13.5")
+
+
+@pytest.fixture
+def device_13_5(monkeypatch, cache_dir):
+    monkeypatch.setattr(dispatch, "device_info", lambda index=None: H200_13_5)
+    return H200_13_5
+
+
+def test_an_entry_of_the_same_major_version_serves_and_is_named(device_13_5, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    params = _params("4096x8192", storage="reread", normalise="online", unroll=2)
+    cache.put(make_entry(_key("4096x8192", cuda_version="13.0"), params=params))
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))
+    assert choice.source == "tuned with NVRTC 13.0" and not choice.trusted
+    assert dict(choice.variant.params) == params and choice.entry.key.cuda_version == "13.0"
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 7000)))
+    assert choice.source == "nearest 4096x8192, tuned with NVRTC 13.0"
+
+
+def test_an_exact_nvrtc_entry_is_preferred_to_a_faster_same_major_one(device_13_5, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    mine = _params("4096x8192", streaming=True)
+    cache.put(make_entry(_key("4096x8192", cuda_version="13.5"), time_us=50.0, params=mine))
+    cache.put(make_entry(_key("4096x8192", cuda_version="13.0"), time_us=1.0, params=_params("4096x8192")))
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))
+    assert choice.source == "tuned" and choice.trusted and dict(choice.variant.params) == mine
+
+
+def test_this_nvrtc_at_the_nearest_shape_comes_before_another_minor_at_this_shape(device_13_5, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    cache.put(make_entry(_key("4096x8000", cuda_version="13.5"), params=_params("4096x8000", streaming=True)))
+    cache.put(make_entry(_key("4096x8192", cuda_version="13.0"), params=_params("4096x8192")))
+    assert Dispatcher().choose(Problem("softmax", "float32", (4096, 8192))).source == "nearest 4096x8000"
+
+
+def test_the_nearest_minor_version_wins_among_several(device_13_5, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    near = _params("4096x8192", unroll=2, storage="reread", normalise="online")
+    cache.put(make_entry(_key("4096x8192", cuda_version="13.0"), time_us=1.0, params=_params("4096x8192")))
+    cache.put(make_entry(_key("4096x8192", cuda_version="13.4"), time_us=9.0, params=near))
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))
+    assert choice.source == "tuned with NVRTC 13.4" and dict(choice.variant.params) == near
+
+
+@pytest.mark.parametrize("version", ["12.8", "14.0", "13", "x.y", ""])
+def test_another_major_or_a_malformed_version_is_never_used(device_13_5, cache_dir, version):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    cache.put(make_entry(_key("4096x8192", cuda_version=version), params=_params("4096x8192", streaming=True)))
+    cache.put(make_entry(_key("4096x8000", cuda_version=version), params=_params("4096x8000", streaming=True)))
+    assert Dispatcher().choose(Problem("softmax", "float32", (4096, 8192))).source == "default"
+
+
+def test_find_entry_takes_this_nvrtc_then_its_major_then_any(monkeypatch, tmp_path):
+    monkeypatch.setattr(dispatch, "device_info", lambda index=None: H200_13_5)
+    cache = Cache(tmp_path / "k.sqlite")
+    problem = Problem("softmax", "float32", (256, 4096))
+    for version, time_us in (("12.8", 1.0), ("13.0", 5.0), ("13.5", 9.0)):
+        cache.put(make_entry(_key("256x4096", cuda_version=version), time_us=time_us, params=_params("256x4096")))
+        assert find_entry(cache, problem, cache.path)[0].key.cuda_version == version
+
+    def no_device(index=None):
+        raise autosoft.NoDeviceError("no CUDA device")
+
+    monkeypatch.setattr(dispatch, "device_info", no_device)  # export on a machine without a GPU
+    monkeypatch.setattr(dispatch, "nvrtc_version", lambda: "13.2")
+    assert find_entry(cache, problem, cache.path)[0].key.cuda_version == "13.0"
+
+
+# --- loading through the kernel store ------------------------------------------------------------
+
+class _FakeLoaded:
+    """LoadedVariant without a GPU: keeps what it was given."""
+
+    def __init__(self, variant, cubin):
+        self.variant, self.cubin = variant, cubin
+
+
+@pytest.fixture
+def loading(monkeypatch, device, cache_dir):
+    """A stand-in loader, verifier and NVRTC; the kernel store is the default one, beside the
+    cache (cache_dir/kernels). Returns the calls made, by kind."""
+    calls = {"compile": [], "verify": []}
+
+    def fake_compile(source, arch, name="kernel.cu"):
+        calls["compile"].append(source)
+        return CompileResult(True, b"CUBIN" + hashlib.sha256(source.encode()).digest(), "")
+
+    def fake_verify(family, loaded, seed):
+        calls["verify"].append(loaded.variant.problem.shape)
+        assert loaded.cubin.startswith(b"CUBIN")
+        return None
+
+    monkeypatch.setattr(compiler, "compile_source", fake_compile)
+    monkeypatch.setattr(dispatch, "LoadedVariant", _FakeLoaded)
+    monkeypatch.setattr(dispatch, "verify", fake_verify)
+    monkeypatch.setattr(kernel_store, "_STORES", {})
+    return calls
+
+
+def _fresh_process(monkeypatch) -> None:
+    """What a new process has: no store instances, hence no in-memory records."""
+    monkeypatch.setattr(kernel_store, "_STORES", {})
+
+
+def test_a_warm_store_loads_a_tuned_kernel_without_nvrtc(loading, cache_dir, monkeypatch):
+    params = _params("4096x8192", streaming=True)
+    Cache(cache_dir / "kernels.sqlite").put(make_entry(_key("4096x8192"), params=params))
+    problem = Problem("softmax", "float32", (4096, 8192))
+    first = Dispatcher().loaded(problem, 0)
+    assert len(loading["compile"]) == 1 and loading["verify"] == [], "a tuned kernel is not verified again"
+    assert (cache_dir / "kernels" / f"{first.variant.digest}.cubin").is_file()
+
+    _fresh_process(monkeypatch)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("NVRTC called although the store holds the kernel")
+
+    monkeypatch.setattr(compiler, "compile_source", forbidden)
+    d = Dispatcher()
+    again = d.loaded(problem, 0)
+    assert again.cubin == first.cubin and dict(again.variant.params) == params
+    assert d.store.stats().hits == 1 and d.store.stats().compiles == 0
+    assert d.loaded(problem, 0) is again, "kept loaded in memory"
+
+
+def test_row_counts_share_one_compile_and_one_verification(loading, cache_dir, monkeypatch):
+    d = Dispatcher()  # no entries: the heuristic default, checked before its first use
+    for m in (4096, 4097, 300):
+        loaded = d.loaded(Problem("softmax", "float32", (m, 8192)), 0)
+        assert loaded.variant.problem.shape == (m, 8192)
+    assert len(loading["compile"]) == 1
+    assert loading["verify"] == [(256, 8192)], "verified once, at the verification shape"
+    assert len(list((cache_dir / "kernels").glob("*.verified"))) == 1
+    _fresh_process(monkeypatch)
+    Dispatcher().loaded(Problem("softmax", "float32", (12345, 8192)), 0)
+    assert len(loading["compile"]) == 1 and len(loading["verify"]) == 1, "a new process neither compiles nor verifies"
+    Dispatcher().loaded(Problem("softmax", "float32", (4096, 1000)), 0)
+    assert len(loading["compile"]) == 2 and len(loading["verify"]) == 2, "another row length is another kernel"
+
+
+def test_a_same_major_entry_is_compiled_here_and_verified_once(loading, cache_dir, monkeypatch):
+    monkeypatch.setattr(dispatch, "device_info", lambda index=None: H200_13_5)
+    params = _params("4096x8192", streaming=True)
+    Cache(cache_dir / "kernels.sqlite").put(make_entry(_key("4096x8192", cuda_version="13.0"), params=params))
+    problem = Problem("softmax", "float32", (4096, 8192))
+    loaded = Dispatcher().loaded(problem, 0)
+    assert dict(loaded.variant.params) == params
+    assert len(loading["compile"]) == 1 and loading["verify"] == [(256, 8192)]
+    _fresh_process(monkeypatch)
+    Dispatcher().loaded(problem, 0)
+    assert len(loading["compile"]) == 1 and len(loading["verify"]) == 1
+
+
+def test_a_failed_verification_is_not_recorded(loading, cache_dir, monkeypatch):
+    monkeypatch.setattr(dispatch, "verify", lambda family, loaded, seed: "normal inputs: 3 elements wrong")
+    problem = Problem("softmax", "float32", (64, 1000))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="failed verification"):
+            Dispatcher().loaded(problem, 0)
+    assert not list((cache_dir / "kernels").glob("*.verified"))
+
+
+def test_a_kernel_that_does_not_compile_is_a_runtime_error(loading, monkeypatch):
+    monkeypatch.setattr(compiler, "compile_source",
+                        lambda source, arch, name="k": CompileResult(False, b"", "kernel.cu(1): error: bad"))
+    with pytest.raises(RuntimeError, match="does not compile: kernel.cu\\(1\\): error: bad"):
+        Dispatcher().loaded(Problem("softmax", "float32", (64, 1000)), 0)
 
 
 # --- the public API on a host array -----------------------------------------------------------------
