@@ -179,7 +179,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     NVRTC), "same major" (another minor version: verified on first use), "no", or "-" without
     a GPU or NVRTC to compare with."""
     from .dispatch import cache_key, nvrtc_match
-    from .families.base import Problem
 
     path = args.cache or default_cache_path()
     if not path.exists():
@@ -203,9 +202,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         if here is None:
             return "-"
         try:  # the key this machine would look up for the entry's own problem
-            dims, _, flags = e.key.shape.partition("+")
-            problem = Problem(e.key.family, e.key.dtype, tuple(int(d) for d in dims.split("x")),
-                              tuple(f for f in flags.split("+") if f))
+            problem = get_family(e.key.family).parse_problem(e.key.shape, e.key.dtype)
             return nvrtc_match(e.key, cache_key(problem, here)) or "no"
         except (UserError, ValueError):  # a family this autosoft does not know, or a malformed shape
             return "no"

@@ -253,13 +253,13 @@ def _nvrtc_rank(version: str, local: str | None) -> int:
 
 
 def _shape_distance(family: Family, a: CacheKey, b: CacheKey) -> float:
-    """The family's distance between two keys' shapes; infinite across flags (e.g. causal)."""
-    (dims_a, _, flags_a), (dims_b, _, flags_b) = a.shape.partition("+"), b.shape.partition("+")
-    sa = tuple(int(s) for s in dims_a.split("x"))
-    sb = tuple(int(s) for s in dims_b.split("x"))
-    if len(sa) != len(sb) or flags_a != flags_b:
+    """The family's problem_distance between two keys' problems (shape and options, e.g. causal);
+    infinite where either key's shape text is not a problem of this family."""
+    try:
+        pa, pb = family.parse_problem(a.shape, a.dtype), family.parse_problem(b.shape, b.dtype)
+    except UserError:
         return math.inf
-    return family.shape_distance(sa, sb)
+    return family.problem_distance(pa, pb)
 
 
 DISPATCHER = Dispatcher()

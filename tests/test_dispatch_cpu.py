@@ -60,11 +60,13 @@ def test_distance_is_infinite_across_flags_ranks_and_head_dims():
     from autosoft.families import get_family
 
     attention = get_family("attention")
-    plain, causal = _k("1x32x8192x64"), _k("1x32x8192x64+causal")
+    key = lambda shape: softmax_key(shape, "bfloat16")  # noqa: E731 - attention takes 16-bit types
+    plain, causal = key("1x32x8192x64"), key("1x32x8192x64+causal")
     assert _d(plain, causal, attention) == math.inf
     assert _d(causal, plain, attention) == math.inf
-    assert _d(causal, _k("1x32x4096x64+causal"), attention) == pytest.approx(4.0)  # N weighs 4x
-    assert _d(plain, _k("1x32x8192x128"), attention) == math.inf  # another head dim, another kernel
+    assert _d(causal, key("1x32x4096x64+causal"), attention) == pytest.approx(4.0)  # N weighs 4x
+    assert _d(plain, key("1x32x8192x128"), attention) == math.inf  # another head dim, another kernel
+    assert _d(plain, key("1x32x8192x64+bogus"), attention) == math.inf  # not a problem of this family
     assert _d(_k("4096x8192"), _k("1x4096x8192")) == math.inf
 
 
