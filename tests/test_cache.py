@@ -170,6 +170,14 @@ def test_a_cache_path_that_is_not_a_path_is_a_clear_type_error(bad):
         Cache(bad)
 
 
+@pytest.mark.parametrize("bad", [None, 7])
+def test_load_cache_of_a_non_path_says_what_it_expects(bad):
+    import autosoft
+
+    with pytest.raises(TypeError, match=r"expected a file path \(str or os.PathLike\), got " + type(bad).__name__):
+        autosoft.load_cache(bad)
+
+
 def test_an_empty_cache_path_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="empty"):
