@@ -9,16 +9,18 @@ space before they are rendered again.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import time
 import urllib.parse
+import warnings
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from .errors import UserError
+from .errors import CacheWarning, UserError, one_line
 
 SCHEMA_VERSION = 1
 APP_ID = "autosoft-cache"
@@ -79,19 +81,34 @@ class Entry:
 
 
 def default_cache_path() -> Path:
-    """$AUTOSOFT_CACHE_DIR/kernels.sqlite, else the user cache directory."""
-    folder = os.environ.get("AUTOSOFT_CACHE_DIR")
-    if not folder:
+    """$AUTOSOFT_CACHE_DIR/kernels.sqlite, else the user cache directory.
+
+    Raises UserError when $AUTOSOFT_CACHE_DIR (or a folder above it) is an existing file: every
+    command and the API then say so, instead of "no cache" from one and a traceback from another."""
+    value = os.environ.get("AUTOSOFT_CACHE_DIR")
+    if not value:
         import platformdirs
 
-        folder = platformdirs.user_cache_dir("autosoft")
-    return Path(folder).expanduser() / CACHE_FILE
+        return Path(platformdirs.user_cache_dir("autosoft")) / CACHE_FILE
+    folder = Path(value).expanduser()
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise UserError(f"AUTOSOFT_CACHE_DIR={value}: {above} is a file, not a folder; "
+                                "point the variable at a folder (or unset it)")
+            break
+    return folder / CACHE_FILE
 
 
 class Cache:
     """A cache file. Opening validates it; a bad file raises UserError and is left untouched."""
 
     def __init__(self, path: Path | str, create: bool = True):
+        # checked here so that every caller (load_cache, the CLI, tune) says the same, not pathlib's TypeError
+        if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"cache path: expected a file path (str or os.PathLike), got {type(path).__name__}")
+        if not os.fspath(path):
+            raise UserError("cache path is empty; give the path of a cache file")
         self.path = Path(path).expanduser()
         if self.path.exists():
             if not self.path.is_file():
@@ -171,15 +188,28 @@ class Cache:
             return cur.rowcount > 0
 
     def entries(self) -> list[Entry]:
-        with closing(self._connect(readonly=True)) as conn:
-            rows = conn.execute("SELECT * FROM entries ORDER BY family, dtype, shape").fetchall()
-        return [_entry_from_row(r, self.path) for r in rows]
+        """The well-formed entries; each malformed row is skipped with a CacheWarning naming it."""
+        rows = self._select("ORDER BY family, dtype, shape")
+        return [e for e in (_entry_from_row(r, self.path) for r in rows) if e is not None]
 
     def get(self, key: CacheKey) -> Entry | None:
         where = " AND ".join(f"{f} = ?" for f in _KEY_FIELDS)
-        with closing(self._connect(readonly=True)) as conn:
-            row = conn.execute(f"SELECT * FROM entries WHERE {where}", tuple(asdict(key).values())).fetchone()
-        return _entry_from_row(row, self.path) if row else None
+        rows = self._select(f"WHERE {where}", tuple(asdict(key).values()))
+        return _entry_from_row(rows[0], self.path) if rows else None
+
+    def _select(self, tail: str, values: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """Rows of the entries table with their rowid; a table that cannot be read names the file."""
+        try:
+            with closing(self._connect(readonly=True)) as conn:
+                cur = conn.execute(f"SELECT rowid AS _rowid, * FROM entries {tail}", values)
+                missing = [c for c in _ENTRY_COLUMNS if c not in {d[0] for d in cur.description}]
+                if missing:  # every row would be skipped: say once what is wrong with the table
+                    raise UserError(f"cache {self.path}: the entries table has no column {', '.join(missing)}; "
+                                    "the file was left as it is; use another --cache")
+                return cur.fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise UserError(f"cache {self.path}: unreadable entries ({one_line(exc)}); "
+                            "the file was left as it is; use another --cache") from None
 
     # -- trials (every evaluated variant, failures included) ----------------------------
     def record_trials(self, rows: list[dict[str, Any]]) -> None:
@@ -210,14 +240,56 @@ def _entry_fields(entry: Entry) -> dict[str, Any]:
     }
 
 
-def _entry_from_row(row: sqlite3.Row, path: Path) -> Entry:
+_TEXT_FIELDS = ("variant_name", "source_digest", "launches", "autosoft_version")
+_ENTRY_COLUMNS = (*_KEY_FIELDS, *_TEXT_FIELDS, "params", "time_us", "default_time_us", "copy_time_us", "created")
+_LATEST_TIMESTAMP = 253402300799.0  # 9999-12-31: past it, formatting the date fails
+
+
+class _BadRow(ValueError):
+    pass
+
+
+def _text(row: sqlite3.Row, column: str) -> str:
+    value = row[column]
+    if value is None:
+        raise _BadRow(f"{column} is NULL")
+    if not isinstance(value, str):
+        raise _BadRow(f"{column} is not text ({type(value).__name__})")
+    return value
+
+
+def _number(row: sqlite3.Row, column: str, optional: bool = False, positive: bool = True) -> float | None:
+    value = row[column]
+    if value is None and optional:
+        return None
+    # SQLite hands back int, float, str, bytes or None; only numbers (not NaN or inf) can be times
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _BadRow(f"{column} is not a finite number ({'NULL' if value is None else repr(value)[:40]})")
+    if (value <= 0 if positive else value < 0):
+        raise _BadRow(f"{column} is {value}, not {'positive' if positive else 'a date'}")
+    return float(value)
+
+
+def _entry_from_row(row: sqlite3.Row, path: Path) -> Entry | None:
+    """The row as an Entry, or None (with a CacheWarning naming the file and the row) when it is malformed:
+    one tampered or damaged row must not make the other entries of the file unusable."""
     try:
-        params = json.loads(row["params"])
+        key = CacheKey(**{f: _text(row, f) for f in _KEY_FIELDS})
+        try:
+            params = json.loads(_text(row, "params"))
+        except (ValueError, RecursionError) as exc:
+            raise _BadRow(f"params is not JSON ({one_line(exc)[:80]})") from None
         if not isinstance(params, dict):
-            raise ValueError("params is not a mapping")
-        key = CacheKey(**{f: str(row[f]) for f in _KEY_FIELDS})
-        return Entry(key, str(row["variant_name"]), params, str(row["source_digest"]), float(row["time_us"]),
-                     row["default_time_us"], row["copy_time_us"], str(row["launches"]),
-                     str(row["autosoft_version"]), float(row["created"]))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"cache {path}: malformed entry for {row['shape']!r}: {exc}") from None
+            raise _BadRow(f"params is not a mapping ({type(params).__name__})")
+        created = _number(row, "created", positive=False)
+        if created > _LATEST_TIMESTAMP:
+            raise _BadRow(f"created is {created}, not a date")
+        return Entry(key, _text(row, "variant_name"), params, _text(row, "source_digest"), _number(row, "time_us"),
+                     _number(row, "default_time_us", optional=True), _number(row, "copy_time_us", optional=True),
+                     _text(row, "launches"), _text(row, "autosoft_version"), created)
+    except _BadRow as exc:
+        shape = row["shape"]
+        shape_text = repr(shape) if len(repr(shape)) <= 40 else repr(shape)[:37] + "..."
+        warnings.warn(f"cache {path}: skipped the malformed entry at rowid {row['_rowid']} "
+                      f"(shape {shape_text}): {exc}", CacheWarning, stacklevel=3)
+        return None

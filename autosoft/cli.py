@@ -2,15 +2,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
+from . import __version__
 from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import families, get_family
 from .families.base import Family, Problem, Target, build_variant, space_of
 from .worker import Watchdog
+
+
+def user_path(text: str) -> Path:
+    """An argparse type for file paths: `~` expanded, since the shell leaves `--cache=~/x` as it is."""
+    return Path(text).expanduser()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,10 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line. tune, export and render take a family word, and each family brings its
     own --shape form, --dtype choices and default, and problem options (e.g. attention --causal)."""
     parser = _Parser(prog="autosoft", description="Autotuned GPU softmax and attention kernels.")
+    parser.add_argument("--version", action="version", version=f"autosoft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def cache_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--cache", type=Path, default=None,
+        p.add_argument("--cache", type=user_path, default=None,
                        help="cache file (default: $AUTOSOFT_CACHE_DIR/kernels.sqlite or the user cache dir)")
 
     def per_family(command: argparse.ArgumentParser, add_args) -> None:
@@ -63,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write the tuned variant as a standalone .cu file")
 
     def export_args(p: argparse.ArgumentParser, family: Family) -> None:
-        p.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+        p.add_argument("-o", "--output", type=user_path, required=True,
+                       help="file to write (replaced whole, never left half-written)")
         cache_arg(p)
 
     per_family(export, export_args)
@@ -108,14 +118,38 @@ def _arch(text: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        return {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render}[args.command](args)
+        with warnings.catch_warnings():  # restores the global hooks when main() is called in-process
+            warnings.showwarning = _show_warning
+            args = build_parser().parse_args(argv)
+            code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render}[args.command](args)
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a reader that went away shows here, where it is caught, not at exit
+            return code
     except UserError as exc:
         print(f"autosoft: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("autosoft: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `autosoft list | head -2`: the reader has what it wanted; stop quietly, like other Unix tools.
+        # stdout still holds unwritten bytes: point it at /dev/null so the interpreter's last flush succeeds.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # stdout is not a file (e.g. replaced in-process)
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer the pipe closed on
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: object = None, line: str | None = None) -> None:
+    """Warnings (e.g. a skipped cache row) on one line each, like the errors, without source lines."""
+    try:
+        print(f"autosoft: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    except (OSError, ValueError):  # stderr closed: nowhere to say it
+        pass
 
 
 def _problem(args: argparse.Namespace) -> tuple[Family, Problem]:
@@ -224,15 +258,15 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import standalone_source
     from .dispatch import find_entry
+    from .export import check_output, standalone_source, write_atomically
 
     family, problem = _problem(args)
     path = args.cache or default_cache_path()
+    check_output(args.output, path)  # before any work, and before anything is created
     entry, target = find_entry(Cache(path, create=False) if path.exists() else None, problem, path)
     variant = build_variant(family, problem, entry.params, target)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(standalone_source(variant, entry))
+    write_atomically(args.output, standalone_source(variant, entry))
     print(f"wrote {args.output} ({variant.name}, {entry.time_us:.2f} us on {entry.key.gpu_name})")
     return 0
 

@@ -1,4 +1,4 @@
-"""Errors a user can cause. The CLI prints their message on one line and exits 2."""
+"""Errors a user can cause. The CLI prints their message on one line and exits 2; warnings on one line too."""
 from __future__ import annotations
 
 
@@ -8,6 +8,10 @@ class UserError(Exception):
 
 class NoDeviceError(UserError):
     """No usable CUDA device (or CuPy is missing)."""
+
+
+class CacheWarning(UserWarning):
+    """A cache file row that was skipped (malformed or tampered); the message names the file and the row."""
 
 
 def one_line(exc: BaseException) -> str:

@@ -1,15 +1,37 @@
-"""Write a tuned variant as a standalone .cu file with a provenance header."""
+"""Write a tuned variant as a standalone .cu file: a provenance header, the kernels, and a host
+launcher (compiled only with -DAUTOSOFT_HOST_LAUNCH) that runs them from C++ as the tuner did.
+
+The launcher is generated from the variant's Launch records and from the kernels' parameter lists,
+parsed out of the rendered source, so no family has to declare its C types twice."""
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import secrets
+import stat
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from . import __version__
 from .cache import Entry
-from .families.base import Variant
+from .errors import UserError
+from .families.base import Launch, Variant
+
+# past this much dynamic shared memory a kernel must opt in before its launch (the default limit)
+DEFAULT_DYNAMIC_SMEM = 48 * 1024
+LAUNCHER = "autosoft_launch"
+HOST_MACRO = "AUTOSOFT_HOST_LAUNCH"
 
 
 def standalone_source(variant: Variant, entry: Entry | None) -> str:
-    """The variant's source behind a comment that says what it is, how to launch it and where it came from."""
+    """The variant's source behind a comment that says what it is, how to launch it and where it came from,
+    followed by the host launcher (inside #ifdef AUTOSOFT_HOST_LAUNCH)."""
+    host = _HostLauncher(variant)
     lines = [
         f"autosoft {__version__} export: {variant.name}",
         f"family {variant.family}, dtype {variant.problem.dtype}, shape {variant.problem.shape_text}",
@@ -19,6 +41,10 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         args = ", ".join(a if isinstance(a, str) else f"{a.item()}" for a in launch.args)
         lines.append(f"launch {launch.kernel}<<<grid={launch.grid}, block={launch.block}, "
                      f"dynamic shared memory={launch.shared_mem} B>>>({args})")
+        if launch.shared_mem > DEFAULT_DYNAMIC_SMEM:
+            lines.append(f"  {launch.kernel} uses more than 48 KiB of dynamic shared memory: call "
+                         f"cudaFuncSetAttribute({launch.kernel}, cudaFuncAttributeMaxDynamicSharedMemorySize, "
+                         f"{launch.shared_mem}) before launching it")
         if launch.cooperative:
             lines.append(f"  {launch.kernel} must be launched cooperatively (cudaLaunchCooperativeKernel): "
                          "its blocks wait for each other")
@@ -41,6 +67,200 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
     lines += [
         f"source digest (sha256 over source, options, sm_{variant.target.arch}, NVRTC version): {variant.digest}",
         f"build: nvcc -c -arch=sm_{variant.target.arch} --use_fast_math -std=c++17 <this file>",
+        f"host launcher: compile with -D{HOST_MACRO} to get (at the end of this file)",
+        f"  extern \"C\" {host.prototype};",
+        "  it sets the attributes above, launches the kernels in order on `stream` and returns the first error",
     ]
     header = "\n".join("// " + line for line in lines)
-    return f"{header}\n\n{variant.source}"
+    return f"{header}\n\n{variant.source}{host.definition()}"
+
+
+# --- the host launcher ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Param:
+    ctype: str   # as written in the kernel, __restrict__ dropped: "const raw_t*", "long long"
+    name: str
+
+    @property
+    def pointer(self) -> bool:
+        return self.ctype.endswith("*")
+
+
+def kernel_parameters(source: str, kernel: str) -> list[_Param]:
+    """The parameter list of `extern "C" __global__ void ... <kernel>(...)` in a rendered source."""
+    found = re.search(r'extern\s+"C"\s+__global__\s+void\b[^{;]*?\b' + re.escape(kernel) + r"\s*\(([^()]*)\)\s*\{",
+                      source)
+    if found is None:
+        raise ValueError(f"kernel {kernel}: no extern \"C\" __global__ definition in the rendered source")
+    params = []
+    for text in filter(None, (p.strip() for p in found.group(1).split(","))):
+        words = re.sub(r"\b__restrict__\b", " ", text).replace("*", " * ").split()
+        if len(words) < 2 or not re.fullmatch(r"[A-Za-z_]\w*", words[-1]):
+            raise ValueError(f"kernel {kernel}: cannot read parameter {text!r}")
+        params.append(_Param(" ".join(words[:-1]).replace(" *", "*"), words[-1]))
+    return params
+
+
+def _typedefs(source: str) -> dict[str, str]:
+    """Top-level `typedef T name;` of the source (raw_t), so the launcher's prototype names real types."""
+    return {name: " ".join(t.split()) for t, name in re.findall(r"^typedef\s+([A-Za-z_][\w ]*?)\s+(\w+)\s*;",
+                                                                 source, re.M)}
+
+
+def _literal(value: Any, ctype: str, kernel: str) -> str:
+    """A numpy scalar Launch arg as a C expression of the kernel's parameter type: (long long)4096."""
+    item = value.item() if isinstance(value, np.generic) else value
+    if isinstance(item, bool):
+        return "true" if item else "false"
+    if isinstance(item, int):
+        return f"({ctype}){item}"
+    if isinstance(item, float) and np.isfinite(item):
+        return f"({ctype}){item!r}"
+    raise ValueError(f"kernel {kernel}: cannot write {value!r} as a C literal")
+
+
+class _HostLauncher:
+    """C++ source of `cudaError_t autosoft_launch(<buffers>, [void* workspace,] cudaStream_t stream)`."""
+
+    def __init__(self, variant: Variant):
+        self.variant = variant
+        self.types = _typedefs(variant.source)
+        self.kernels = [(launch, kernel_parameters(variant.source, launch.kernel)) for launch in variant.launches]
+        host: dict[str, str] = {}   # named arg -> its type in the launcher's parameter list
+        for launch, params in self.kernels:
+            if len(params) != len(launch.args):
+                raise ValueError(f"kernel {launch.kernel}: {len(launch.args)} launch args for {len(params)} parameters")
+            for arg, param in zip(launch.args, params):
+                if not isinstance(arg, str) or arg == "workspace":
+                    continue
+                ctype = self._resolved(param.ctype)
+                if arg not in host:
+                    host[arg] = ctype
+                elif host[arg].replace("const ", "") != ctype.replace("const ", ""):
+                    raise ValueError(f"argument {arg}: {host[arg]} in one kernel, {ctype} in {launch.kernel}")
+                elif "const " not in ctype:
+                    host[arg] = ctype  # writable where one kernel writes it; T* passes as const T* to the others
+        self.host = host
+
+    def _resolved(self, ctype: str) -> str:
+        return re.sub(r"\b\w+\b", lambda m: self.types.get(m.group(0), m.group(0)), ctype)
+
+    @property
+    def prototype(self) -> str:
+        params = [f"{t} {name}" for name, t in self.host.items()]
+        if self.variant.workspace_bytes:
+            params.append("void* workspace")
+        params.append("cudaStream_t stream")
+        return f"cudaError_t {LAUNCHER}({', '.join(params)})"
+
+    def _value(self, arg: Any, param: _Param, kernel: str) -> str:
+        if not isinstance(arg, str):
+            return _literal(arg, param.ctype, kernel)
+        if arg == "workspace":
+            return f"static_cast<{param.ctype}>(workspace)"
+        return arg  # the launcher's parameter has this type, or the type without const
+
+    def definition(self) -> str:
+        v = self.variant
+        out = [
+            "",
+            f"#ifdef {HOST_MACRO}",
+            f"// Host launcher for {v.name}: runs its kernel(s) in order on `stream` and returns the first error.",
+        ]
+        if v.workspace_bytes:
+            out.append(f"// `workspace` is {v.workspace_bytes} bytes of device memory, zeroed (cudaMemset) once before "
+                       "the first call and kept for later calls; one per stream running this concurrently.")
+        out += [
+            "#include <cuda_runtime.h>",
+            f"extern \"C\" {self.prototype} {{",
+            "  cudaError_t err = cudaSuccess;",
+        ]
+        for launch, params in self.kernels:
+            out += self._launch(launch, params)
+        out += ["  return cudaSuccess;", "}", f"#endif  // {HOST_MACRO}", ""]
+        return "\n".join(out)
+
+    def _launch(self, launch: Launch, params: list[_Param]) -> list[str]:
+        k = launch.kernel
+        dims = [", ".join(f"{d}u" for d in launch.grid), ", ".join(f"{d}u" for d in launch.block)]
+        grid, block = (f"dim3({d})" for d in dims)
+        check = "if (err != cudaSuccess) return err;"
+        lines = []
+        if launch.shared_mem > DEFAULT_DYNAMIC_SMEM:
+            lines.append(f"  err = cudaFuncSetAttribute({k}, cudaFuncAttributeMaxDynamicSharedMemorySize, "
+                         f"{launch.shared_mem});  // more than 48 KiB")
+            lines.append(f"  {check}")
+        if launch.non_portable_cluster:
+            lines.append(f"  err = cudaFuncSetAttribute({k}, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);"
+                         f"  // clusters of {launch.cluster_blocks} blocks")
+            lines.append(f"  {check}")
+        values = [self._value(a, p, k) for a, p in zip(launch.args, params)]
+        if launch.cooperative:  # its blocks wait for each other: all of them must be resident at once
+            lines.append("  {")
+            lines += [f"    {p.ctype} a{i} = {val};" for i, (p, val) in enumerate(zip(params, values))]
+            lines.append(f"    void* args[] = {{{', '.join(f'&a{i}' for i in range(len(params)))}}};")
+            lines.append(f"    err = cudaLaunchCooperativeKernel((const void*){k}, {grid}, {block}, args, "
+                         f"{launch.shared_mem}, stream);")
+            lines.append(f"    {check}")
+            lines.append("  }")
+        else:
+            lines.append(f"  {k}<<<{grid}, {block}, {launch.shared_mem}, stream>>>({', '.join(values)});")
+            lines.append("  err = cudaGetLastError();")
+            lines.append(f"  {check}")
+        return lines
+
+
+# --- writing the file -------------------------------------------------------------------------
+
+def check_output(output: Path, cache_path: Path | None) -> None:
+    """Refuse, before any work, an -o that cannot become the exported file: a folder, a path under a
+    file, or the cache file itself (through links and relative paths too)."""
+    try:
+        if output.is_dir():
+            raise UserError(f"-o {output}: is a folder; give a file path, e.g. -o {output / 'kernel.cu'}")
+        for above in output.parents:
+            if above.exists():  # the nearest existing folder: the file goes in it or below it
+                if not above.is_dir():
+                    raise UserError(f"-o {output}: {above} exists and is not a folder; choose another -o")
+                break
+        if cache_path is not None and _same_file(output, cache_path):
+            raise UserError(f"-o {output} is the cache file {cache_path}: writing there would replace the tuned "
+                            "kernels with C++ source; choose another -o")
+    except OSError as exc:
+        raise UserError(f"-o {output}: cannot write there ({exc.strerror or exc}); choose another -o") from None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): compare where they would be
+        try:
+            return a.resolve() == b.resolve()
+        except (OSError, RuntimeError):  # a symbolic link loop: the write itself will fail and say so
+            return False
+
+
+def write_atomically(output: Path, text: str) -> None:
+    """Write text to output through a temporary file in the same folder and os.replace, so a failure
+    (disk full, interrupted) never leaves a half-written file; OSError becomes a one-line UserError."""
+    target = output.resolve() if output.is_symlink() else output  # write through a link, as open() would
+    tmp: Path | None = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileNotFoundError):  # replacing a file: keep its permissions
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as exc:
+        raise UserError(f"-o {output}: cannot write ({exc.strerror or exc}); choose another -o") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()

@@ -5,6 +5,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import sqlite3
 import sys
 from dataclasses import fields, replace
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from autosoft.cache import CACHE_FILE, SCHEMA_VERSION, Cache, CacheKey, default_cache_path
-from autosoft.errors import UserError
+from autosoft.errors import CacheWarning, UserError
 
 from helpers import make_entry, softmax_key
 
@@ -85,17 +86,103 @@ def test_params_are_stored_as_plain_json(tmp_path):
     assert json.loads(text) == dict(entry.params)
 
 
-def test_a_malformed_params_row_is_a_user_error(tmp_path):
+def _rebuilt_without_constraints(path: Path) -> None:
+    """The entries table as a tamperer might leave it: same columns, no types, no NOT NULL, no key."""
+    with sqlite3.connect(path) as conn:
+        cols = [r[1] for r in conn.execute("PRAGMA table_info(entries)")]
+        conn.execute("ALTER TABLE entries RENAME TO old_entries")
+        conn.execute(f"CREATE TABLE entries ({', '.join(cols)})")
+        conn.execute("INSERT INTO entries SELECT * FROM old_entries")
+        conn.execute("DROP TABLE old_entries")
+    conn.close()
+
+
+# each: SQL that breaks the row of shape 2x4096 (rowid 2) in a table without constraints, a word of the reason
+MALFORMED_ROWS = {
+    "params_not_json": ("UPDATE entries SET params = 'not json'", "not JSON"),
+    "params_a_list": ("UPDATE entries SET params = '[1, 2]'", "not a mapping"),
+    "params_null": ("UPDATE entries SET params = NULL", "params is NULL"),
+    "params_deeply_nested": ("UPDATE entries SET params = '" + "[" * 100000 + "'", "not JSON"),
+    "time_text": ("UPDATE entries SET time_us = 'fast'", "time_us"),
+    "time_null": ("UPDATE entries SET time_us = NULL", "time_us"),
+    "time_negative": ("UPDATE entries SET time_us = -1.0", "time_us"),
+    "time_blob": ("UPDATE entries SET time_us = x'00'", "time_us"),
+    "copy_time_text": ("UPDATE entries SET copy_time_us = 'x'", "copy_time_us"),
+    "created_too_late": ("UPDATE entries SET created = 1e300", "created"),
+    "gpu_name_null": ("UPDATE entries SET gpu_name = NULL", "gpu_name is NULL"),
+    "launches_integer": ("UPDATE entries SET launches = 7", "launches is not text"),
+    "variant_name_blob": ("UPDATE entries SET variant_name = x'ff00'", "variant_name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_ROWS))
+def test_a_malformed_row_is_skipped_with_a_warning_naming_the_file_and_the_row(tmp_path, case):
+    path = tmp_path / "k.sqlite"
+    cache = Cache(path)
+    good = [make_entry(softmax_key(shape=f"{i}x4096"), time_us=float(i)) for i in (1, 2, 3)]
+    for e in good:
+        cache.put(e)
+    _rebuilt_without_constraints(path)
+    sql, why = MALFORMED_ROWS[case]
+    with sqlite3.connect(path) as conn:
+        conn.execute(sql + " WHERE shape = '2x4096'")
+    conn.close()
+    before = _sha(path)
+    with pytest.warns(CacheWarning) as caught:
+        got = Cache(path, create=False).entries()
+    assert got == [good[0], good[2]], "the other rows still serve"
+    (warning,) = caught
+    message = str(warning.message)
+    assert str(path) in message and "rowid 2" in message and "'2x4096'" in message and why in message, message
+    assert "\n" not in message and len(message) < 400
+    if case != "gpu_name_null":  # a NULL key column matches no key: get finds nothing to warn about
+        with pytest.warns(CacheWarning, match="rowid 2"):
+            assert Cache(path, create=False).get(good[1].key) is None
+    assert Cache(path, create=False).get(good[2].key) == good[2]
+    assert _sha(path) == before, "reading never changes the file"
+
+
+def test_a_null_shape_is_skipped_too(tmp_path):
+    path = tmp_path / "k.sqlite"
+    Cache(path).put(make_entry())
+    _rebuilt_without_constraints(path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE entries SET shape = NULL")
+    conn.close()
+    with pytest.warns(CacheWarning, match=r"rowid 1 \(shape None\): shape is NULL"):
+        assert Cache(path).entries() == []
+
+
+def test_an_entries_table_without_a_column_is_one_user_error(tmp_path):
     path = tmp_path / "k.sqlite"
     Cache(path).put(make_entry())
     with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE entries SET params = '[1, 2]'")
-    with pytest.raises(UserError, match=str(path)):
+        conn.execute("ALTER TABLE entries DROP COLUMN launches")
+    conn.close()
+    with pytest.raises(UserError, match=f"{re.escape(str(path))}: the entries table has no column launches"):
         Cache(path).entries()
-    with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE entries SET params = 'not json'")
-    with pytest.raises(UserError, match=str(path)):
-        Cache(path).entries()
+
+
+@pytest.mark.parametrize("bad", [None, 3, 2.5, b"k.sqlite", ["k.sqlite"], object()])
+def test_a_cache_path_that_is_not_a_path_is_a_clear_type_error(bad):
+    with pytest.raises(TypeError, match=r"cache path: expected a file path \(str or os.PathLike\), got "
+                                        + type(bad).__name__):
+        Cache(bad)
+
+
+@pytest.mark.parametrize("bad", [None, 7])
+def test_load_cache_of_a_non_path_says_what_it_expects(bad):
+    import autosoft
+
+    with pytest.raises(TypeError, match=r"expected a file path \(str or os.PathLike\), got " + type(bad).__name__):
+        autosoft.load_cache(bad)
+
+
+def test_an_empty_cache_path_is_a_user_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="empty"):
+        Cache("")
+    assert not list(tmp_path.iterdir())
 
 
 def test_record_trials_round_trip(tmp_path):
@@ -208,6 +295,17 @@ def test_missing_file_is_created_or_refused(tmp_path):
     Cache(path)
     assert path.is_file()
     Cache(path, create=False)  # now it opens
+
+
+@pytest.mark.parametrize("below", ["", "sub/dir"])
+def test_a_cache_dir_variable_naming_a_file_is_a_user_error(tmp_path, monkeypatch, below):
+    afile = tmp_path / "not-a-folder"
+    afile.write_text("x")
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(afile / below) if below else str(afile))
+    with pytest.raises(UserError) as info:
+        default_cache_path()
+    assert "AUTOSOFT_CACHE_DIR" in str(info.value) and f"{afile} is a file" in str(info.value)
+    assert afile.read_text() == "x"
 
 
 def test_default_cache_path_honours_the_environment(tmp_path, monkeypatch):

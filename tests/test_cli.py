@@ -2,12 +2,17 @@
 and touch no file; render, list and export behave on a machine without a GPU."""
 from __future__ import annotations
 
+import os
 import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import gpu_available
-from helpers import make_entry, run_cli, softmax_key
+from helpers import cli_env, make_entry, run_cli, softmax_key
 
 from autosoft.cache import Cache
 
@@ -237,3 +242,213 @@ def test_export_without_an_entry_is_a_one_line_error(tmp_path, with_file):
     assert "autosoft tune softmax --shape 4096x4096" in line, "says what to run"
     if not with_file:
         assert not cache_dir.exists(), "export does not create a cache"
+
+
+# --- rough edges: --version, pipes, `~`, where -o points, malformed rows ------------------------
+
+def test_version_prints_the_version_and_exits_0(tmp_path):
+    import autosoft
+
+    result = run_cli(["--version"], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"autosoft {autosoft.__version__}\n" and result.stderr == ""
+
+
+def _cache_with_entries(path: Path, count: int) -> None:
+    """count softmax entries, inserted in one transaction (put() commits each: slow for thousands)."""
+    from dataclasses import asdict
+
+    from autosoft.cache import _entry_fields
+
+    Cache(path)
+    rows = [{**asdict(e.key), **_entry_fields(e)}
+            for e in (make_entry(softmax_key(f"{i + 1}x1000"), params={"p": i}) for i in range(count))]
+    with sqlite3.connect(path) as conn:
+        conn.executemany(f"INSERT INTO entries ({', '.join(rows[0])}) VALUES ({', '.join(':' + c for c in rows[0])})",
+                         rows)
+    conn.close()
+
+
+def test_list_into_head_exits_quietly(tmp_path):
+    """Thousands of rows do not fit the pipe: the write itself fails when head has gone."""
+    path = tmp_path / "big.sqlite"
+    _cache_with_entries(path, 3000)
+    script = f'"{sys.executable}" -m autosoft list --cache "{path}" | head -2; echo "status ${{PIPESTATUS[0]}}" >&2'
+    result = subprocess.run(["bash", "-c", script], env=cli_env(tmp_path / "cache"), capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.splitlines()[0].startswith(f"{path}: 3000 entries") and len(result.stdout.splitlines()) == 2
+    assert result.stderr == "status 141\n", result.stderr
+
+
+def test_list_into_a_pipe_closed_before_the_last_flush_exits_quietly(tmp_path):
+    """A few rows stay in stdout's buffer until exit: the failure comes at the final flush."""
+    path = tmp_path / "small.sqlite"
+    _cache_with_entries(path, 3)
+    proc = subprocess.Popen([sys.executable, "-m", "autosoft", "list", "--cache", str(path)],
+                            env=cli_env(tmp_path / "cache"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the only reader is gone before the child has printed anything
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err.decode()) == (141, "")
+
+
+def _run_with_env(args: list[str], cache_dir: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autosoft", *args], env={**cli_env(cache_dir), **env}, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_tilde_is_expanded_in_cache_and_output_of_every_command(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    Cache(home / "mine.sqlite").put(make_entry(_export_key("64x1000"), variant_name="softmax_in_home"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    listed = _run_with_env(["list", "--cache=~/mine.sqlite"], tmp_path / "cache", cwd, HOME=str(home))
+    assert listed.returncode == 0, listed.stderr
+    assert "1 entries" in listed.stdout and "softmax_in_home" in listed.stdout
+    exported = _run_with_env(["export", "softmax", "--shape", "64x1000", "--cache=~/mine.sqlite", "-o", "~/out/k.cu"],
+                             tmp_path / "cache", cwd, HOME=str(home))
+    assert exported.returncode == 0, exported.stderr
+    assert (home / "out" / "k.cu").read_text().startswith("// autosoft ")
+    assert not list(cwd.iterdir()), "no folder named ~ is made"
+
+
+@pytest.mark.parametrize("command", [["list"], ["export", "softmax", "--shape", "64x1000", "-o", "k.cu"]])
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_a_cache_dir_variable_naming_a_file_is_a_one_line_error(tmp_path, command, below):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = _run_with_env(command, tmp_path / "cache", cwd, AUTOSOFT_CACHE_DIR=str(afile / below))
+    line = _assert_user_error(result, tmp_path / "cache", cwd)
+    assert "AUTOSOFT_CACHE_DIR" in line and f"{afile} exists" not in line and f"{afile} is a file" in line
+    assert "autosoft tune creates it" not in result.stdout + line and result.stdout == ""
+    assert afile.read_text() == "not a folder"
+
+
+def _export_key(shape: str):
+    """A float32 entry export will pick: for this machine's GPU when it has one (export prefers it)."""
+    if not gpu_available():
+        return softmax_key(shape, "float32")
+    from autosoft.runtime import device_info
+
+    info = device_info()
+    return softmax_key(shape, "float32", gpu_name=info.name, compute_capability=info.compute_capability)
+
+
+def _export_setup(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    cache = cwd / "tuned.sqlite"
+    Cache(cache).put(make_entry(_export_key("64x1000")))
+    return cwd, cache, cache.read_bytes()
+
+
+def _export_to(output: str, cache: str, tmp_path: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return run_cli(["export", "softmax", "--shape", "64x1000", "-o", output, "--cache", cache],
+                   tmp_path / "cache", cwd=cwd)
+
+
+OUTPUT_CASES = {  # -o, what the one-line error says
+    "a_folder": (".", "is a folder"),
+    "a_folder_with_slash": ("sub/", "is a folder"),
+    "under_a_file": ("afile.txt/x.cu", "afile.txt exists and is not a folder"),
+    "deeper_under_a_file": ("afile.txt/a/b/x.cu", "afile.txt exists and is not a folder"),
+    "the_cache": ("tuned.sqlite", "is the cache file"),
+    "the_cache_relative": ("sub/../tuned.sqlite", "is the cache file"),
+    "the_cache_through_a_link": ("link.sqlite", "is the cache file"),
+    "the_cache_through_a_hard_link": ("hard.sqlite", "is the cache file"),
+    "the_cache_absolute": ("{cwd}/tuned.sqlite", "is the cache file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_export_to_a_bad_output_is_a_one_line_error_and_leaves_the_cache_alone(tmp_path, case):
+    cwd, cache, before = _export_setup(tmp_path)
+    (cwd / "sub").mkdir()
+    (cwd / "afile.txt").write_text("keep me")
+    (cwd / "link.sqlite").symlink_to("tuned.sqlite")
+    os.link(cache, cwd / "hard.sqlite")
+    output, says = OUTPUT_CASES[case]
+    listing = sorted(p.name for p in cwd.iterdir())
+    for cache_arg in ("tuned.sqlite", str(cache), "link.sqlite"):
+        result = _export_to(output.format(cwd=cwd), cache_arg, tmp_path, cwd)
+        line = _assert_user_error(result, tmp_path / "cache")
+        assert says in line and "-o" in line, line
+        assert result.stdout == ""
+        assert cache.read_bytes() == before, "the cache is byte-for-byte what it was"
+        assert (cwd / "afile.txt").read_text() == "keep me"
+        assert sorted(p.name for p in cwd.iterdir()) == listing and not list((cwd / "sub").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_export_into_a_read_only_folder_is_a_one_line_error(tmp_path):
+    cwd, cache, _ = _export_setup(tmp_path)
+    locked = cwd / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        result = _export_to("locked/k.cu", str(cache), tmp_path, cwd)
+        line = _assert_user_error(result, tmp_path / "cache")
+        assert "locked/k.cu" in line and "ermission denied" in line
+        assert not list(locked.iterdir())
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("fails", ["open", "fsync", "replace"])
+def test_a_failed_export_write_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch, capsys, fails):
+    """Unwritable places (a refused open) and a full disk mid-write: one line, nothing half-written."""
+    import errno
+
+    from autosoft import cli
+
+    cwd, cache, _ = _export_setup(tmp_path)
+    old = cwd / "k.cu"
+    old.write_text("// the previous export\n")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path / "cache"))
+    real = getattr(os, fails)
+
+    def failing(*args, **kwargs):
+        if fails == "open" and not str(args[0]).endswith(".tmp"):
+            return real(*args, **kwargs)  # only the export's own temporary file is refused
+        raise OSError(errno.EACCES if fails == "open" else errno.ENOSPC,
+                      os.strerror(errno.EACCES if fails == "open" else errno.ENOSPC))
+
+    monkeypatch.setattr(os, fails, failing)
+    code = cli.main(["export", "softmax", "--shape", "64x1000", "-o", "k.cu", "--cache", str(cache)])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("autosoft: error: -o k.cu: cannot write")
+    assert ("Permission denied" if fails == "open" else "No space left") in err
+    assert old.read_text() == "// the previous export\n"
+    assert sorted(p.name for p in cwd.iterdir()) == ["k.cu", "tuned.sqlite"], "no temporary file is left"
+
+
+def test_export_replaces_an_existing_file_and_keeps_its_mode(tmp_path):
+    cwd, cache, _ = _export_setup(tmp_path)
+    old = cwd / "k.cu"
+    old.write_text("// old\n")
+    old.chmod(0o640)
+    result = _export_to("k.cu", str(cache), tmp_path, cwd)
+    assert result.returncode == 0, result.stderr
+    assert old.read_text().startswith("// autosoft ") and (old.stat().st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in cwd.iterdir()) == ["k.cu", "tuned.sqlite"]
+
+
+def test_list_shows_the_good_rows_and_one_warning_line_for_a_malformed_row(tmp_path):
+    path = tmp_path / "tampered.sqlite"
+    cache = Cache(path)
+    for shape in ("1x1000", "2x1000", "3x1000"):
+        cache.put(make_entry(softmax_key(shape), variant_name=f"softmax_{shape}"))
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE entries SET params = '{broken' WHERE shape = '2x1000'")
+    conn.close()
+    result = run_cli(["list", "--cache", str(path)], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    assert "2 entries" in result.stdout and "softmax_1x1000" in result.stdout and "softmax_3x1000" in result.stdout
+    assert "softmax_2x1000" not in result.stdout
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("autosoft: warning: cache ") and str(path) in line and "rowid 2" in line
+    assert "'2x1000'" in line and "params is not JSON" in line and "Traceback" not in result.stderr

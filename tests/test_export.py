@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import autosoft
@@ -18,6 +20,7 @@ from conftest import gpu_available
 from helpers import make_entry, nvcc_path, run_cli, softmax_key
 
 SOFTMAX = get_family("softmax")
+ATTENTION = get_family("attention")
 
 
 def _here() -> tuple[str, str]:
@@ -40,6 +43,12 @@ def _entry_params(shape: str, dtype: str, **changes):
     params = {**SOFTMAX.default_params(problem, Target.for_arch("90")), **changes}
     assert SOFTMAX.is_valid(problem, Target.for_arch("90"), params)
     return params
+
+
+def _kernels_of(text: str) -> str:
+    """What lies between the header and the host launcher (#ifdef AUTOSOFT_HOST_LAUNCH ... at the end)."""
+    body = text[text.index("\n\n") + 2:]
+    return body[:body.index("\n#ifdef AUTOSOFT_HOST_LAUNCH\n")]
 
 
 def _export(tmp_path, shape: str, dtype: str, entries) -> tuple[subprocess.CompletedProcess, str]:
@@ -74,7 +83,7 @@ def test_export_writes_a_file_with_its_provenance(tmp_path):
     assert "17.25 us" in head and "21.50" in head and "14.00" in head
     assert variant.digest in head and re.search(r"\b[0-9a-f]{64}\b", head)
     assert "float16" in head and "2048x5000" in head
-    assert text.endswith(variant.source), "the kernel itself follows the header unchanged"
+    assert _kernels_of(text) == variant.source, "the kernel itself follows the header unchanged"
     assert "{{" not in text and "{%" not in text
 
 
@@ -151,7 +160,7 @@ def test_standalone_source_without_an_entry_says_untuned():
     variant = build_variant(SOFTMAX, problem, SOFTMAX.default_params(problem, target), target)
     text = standalone_source(variant, None)
     assert "untuned" in text and "sm_80" in text and "measured" not in text
-    assert text.endswith(variant.source)
+    assert _kernels_of(text) == variant.source
 
 
 def test_export_says_how_to_launch_a_cooperative_split_and_a_sixteen_block_cluster(tmp_path):
@@ -168,3 +177,197 @@ def test_export_says_how_to_launch_a_cooperative_split_and_a_sixteen_block_clust
     assert result.returncode == 0, result.stderr
     assert "clusters of 16 blocks: set cudaFuncAttributeNonPortableClusterSizeAllowed" in text
     assert "cooperatively" not in text and "workspace:" not in text
+
+
+# --- the host launcher (-DAUTOSOFT_HOST_LAUNCH) ---------------------------------------------------
+
+_GRID = dict(storage="registers", normalise="three_pass", unroll=1, vec=4, split=16, threads=512, row_threads=512,
+             persistent=False)
+# name: family, shape, dtype, param changes; each a kind of launch the launcher must get right
+HOST_VARIANTS = {
+    "softmax_default": (SOFTMAX, "4096x8192", "float32", {}),
+    "softmax_two_launches": (SOFTMAX, "32x131072", "float32", {"split": 4, "combine": "launches"}),
+    "softmax_cooperative_grid": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "grid"}),
+    "softmax_cluster_of_16": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "cluster"}),
+    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {}),
+}
+
+
+# on the GPU the CPU reference of 1x32x8192x128 attention would take minutes: a smaller one, still past 48 KiB
+GPU_SHAPES = {"attention_past_48_kib": "1,2,300,128"}
+
+
+def _host_variant(case: str, target: Target | None = None, shape: str | None = None):
+    family, default_shape, dtype, changes = HOST_VARIANTS[case]
+    shape = shape or default_shape
+    target = target or Target.for_arch("90")
+    problem = family.problem(shape, dtype)
+    return build_variant(family, problem, {**family.default_params(problem, target), **changes}, target)
+
+
+def _launcher(text: str) -> str:
+    return text[text.index("\n#ifdef AUTOSOFT_HOST_LAUNCH\n"):]
+
+
+@pytest.mark.parametrize("case", sorted(HOST_VARIANTS))
+def test_the_header_and_the_host_launcher_say_how_each_kernel_is_launched(case):
+    variant = _host_variant(case)
+    text = standalone_source(variant, None)
+    header = text[:text.index("\n\n")]
+    host = _launcher(text)
+    assert host.rstrip().endswith("#endif  // AUTOSOFT_HOST_LAUNCH") and host.count("#ifdef") == 1
+    assert "compile with -DAUTOSOFT_HOST_LAUNCH to get" in header
+    (prototype,) = re.findall(r'^//   extern "C" (cudaError_t autosoft_launch\(.*\));$', header, re.M)
+    assert f'extern "C" {prototype} {{' in host, "the header's prototype is the definition's"
+    assert prototype.endswith("cudaStream_t stream)")
+    assert ("void* workspace" in prototype) == bool(variant.workspace_bytes)
+    big = [l for l in variant.launches if l.shared_mem > 48 * 1024]
+    assert bool(big) == (case == "attention_past_48_kib")
+    for launch in variant.launches:
+        attribute = (f"cudaFuncSetAttribute({launch.kernel}, cudaFuncAttributeMaxDynamicSharedMemorySize, "
+                     f"{launch.shared_mem})")
+        assert (attribute in header) == (launch in big) and (attribute in host) == (launch in big)
+        assert ("cudaFuncAttributeNonPortableClusterSizeAllowed, 1)" in host) == launch.non_portable_cluster
+        if launch.cooperative:
+            assert f"cudaLaunchCooperativeKernel((const void*){launch.kernel}, dim3({launch.grid[0]}u, " in host
+        else:
+            grid = ", ".join(f"{d}u" for d in launch.grid)
+            assert f"{launch.kernel}<<<dim3({grid}), " in host and f", {launch.shared_mem}, stream>>>(" in host
+    assert host.index(variant.launches[0].kernel + "<<<" if not variant.launches[0].cooperative
+                      else "cudaLaunchCooperativeKernel") < host.index("return cudaSuccess;")
+    if len(variant.launches) == 2:
+        assert host.index("softmax_partials<<<") < host.index("softmax_finish<<<"), "in order"
+    if case.startswith("softmax"):
+        m = variant.problem.shape[0]
+        assert "const float* x, float* y" in prototype and f"(long long){m}" in host
+    else:
+        assert prototype == ("cudaError_t autosoft_launch(const unsigned short* q, const unsigned short* k, "
+                             "const unsigned short* v, unsigned short* o, float* lse, float scale, "
+                             "cudaStream_t stream)"), "16-bit values as their bits; the scale is a parameter"
+    assert compile_source(text, "90").ok, "NVRTC compiles the file: the launcher hides behind its macro"
+
+
+@pytest.mark.parametrize("case", sorted(HOST_VARIANTS))
+def test_the_exported_file_with_its_host_launcher_compiles_with_nvcc(tmp_path, case):
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    cu = tmp_path / f"{case}.cu"
+    cu.write_text(standalone_source(_host_variant(case), None))
+    obj = tmp_path / f"{case}.o"
+    build = subprocess.run([nvcc, "-c", "-arch=sm_90", "-std=c++17", "--use_fast_math", "-DAUTOSOFT_HOST_LAUNCH",
+                            str(cu), "-o", str(obj)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    symbols = obj.read_bytes()
+    assert b"autosoft_launch" in symbols and b"__cudaRegisterFatBinary" in symbols
+
+
+_DRIVER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+extern "C" PROTOTYPE;
+struct Buffer {  // a device pointer that converts to whatever pointer the launcher takes
+  void* p;
+  template <class T> operator T*() const { return static_cast<T*>(p); }
+};
+static Buffer upload(const char* name, size_t bytes) {
+  std::vector<char> host(bytes);
+  FILE* f = std::fopen(name, "rb");
+  if (f) { if (std::fread(host.data(), 1, bytes, f) != bytes) std::exit(3); std::fclose(f); }
+  void* d = nullptr;
+  if (cudaMalloc(&d, bytes) != cudaSuccess || cudaMemcpy(d, host.data(), bytes, cudaMemcpyHostToDevice)) std::exit(4);
+  return Buffer{d};
+}
+static void download(Buffer b, const char* name, size_t bytes) {
+  std::vector<char> host(bytes);
+  if (cudaMemcpy(host.data(), b.p, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) std::exit(5);
+  FILE* f = std::fopen(name, "wb");
+  std::fwrite(host.data(), 1, bytes, f);
+  std::fclose(f);
+}
+int main() {
+UPLOADS
+  for (int i = 0; i < 2; ++i) {  // twice: the workspace is reused as it is left
+    cudaError_t err = autosoft_launch(ARGS);
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) { std::printf("launch failed: %s\n", cudaGetErrorString(err)); return 1; }
+  }
+DOWNLOADS
+  return 0;
+}
+"""
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    bits = a.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+def _from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(HOST_VARIANTS))
+def test_the_host_launcher_computes_the_right_thing_on_the_gpu(tmp_path, case):
+    """Built with nvcc next to a C++ main that calls autosoft_launch as the header says, run twice."""
+    from autosoft.runtime import device_info
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    family = HOST_VARIANTS[case][0]
+    variant = _host_variant(case, device_info().target, GPU_SHAPES.get(case))
+    assert variant.launches[0].shared_mem > 48 * 1024 or family is SOFTMAX
+    text = standalone_source(variant, None)
+    (prototype,) = re.findall(r'^//   extern "C" (cudaError_t autosoft_launch\(.*\));$', text, re.M)
+    rng = np.random.default_rng(0)
+    uploads, downloads, args, expect = [], [], [], {}
+    if family is SOFTMAX:
+        m, n = variant.problem.shape
+        x = (rng.standard_normal((m, n)) * 3).astype(np.float32)
+        x.tofile(tmp_path / "x.bin")
+        e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+        expect["y"] = (e / e.sum(axis=1, keepdims=True), np.float32, 1e-5)
+        buffers = {"x": x.nbytes, "y": x.nbytes}
+    else:
+        b, h, n, d = variant.problem.shape
+        q, k, v = (_bf16_bits(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(3))
+        for name, a in zip("qkv", (q, k, v)):
+            a.tofile(tmp_path / f"{name}.bin")
+        scale = 1.0 / np.sqrt(d)
+        s = np.einsum("bhid,bhjd->bhij", _from_bf16(q).astype(np.float64), _from_bf16(k).astype(np.float64)) * scale
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        expect["o"] = (np.einsum("bhij,bhjd->bhid", p / p.sum(axis=-1, keepdims=True), _from_bf16(v)), np.uint16, 2e-2)
+        expect["lse"] = (np.log(p.sum(axis=-1)) + s.max(axis=-1), np.float32, 1e-3)
+        buffers = {"q": q.nbytes, "k": k.nbytes, "v": v.nbytes, "o": q.nbytes, "lse": b * h * n * 4}
+    for name, nbytes in buffers.items():
+        uploads.append(f'  Buffer {name} = upload("{name}.bin", {nbytes});')
+        args.append(name)
+    if variant.workspace_bytes:
+        uploads.append(f'  Buffer workspace = upload("zeros.bin", {variant.workspace_bytes});')
+        (tmp_path / "zeros.bin").write_bytes(bytes(variant.workspace_bytes))
+        args.append("workspace")
+    if family is ATTENTION:
+        args.append(f"{float(scale)!r}f")
+    args.append("0")
+    for name in expect:
+        downloads.append(f'  download({name}, "{name}.out", {buffers[name]});')
+    driver = (_DRIVER.replace("PROTOTYPE", prototype).replace("UPLOADS", "\n".join(uploads))
+              .replace("ARGS", ", ".join(args)).replace("DOWNLOADS", "\n".join(downloads)))
+    (tmp_path / "kernel.cu").write_text(text)
+    (tmp_path / "main.cpp").write_text(driver)
+    arch = variant.target.arch
+    build = subprocess.run([nvcc, f"-arch=sm_{arch}", "-std=c++17", "--use_fast_math", "-DAUTOSOFT_HOST_LAUNCH",
+                            "kernel.cu", "main.cpp", "-o", "run"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert build.returncode == 0, build.stderr
+    ran = subprocess.run(["./run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    for name, (want, stored, tol) in expect.items():
+        got = np.fromfile(tmp_path / f"{name}.out", dtype=stored).reshape(want.shape)
+        got = _from_bf16(got) if stored is np.uint16 else got
+        err = np.abs(got - want).max() / max(1e-30, np.abs(want).max())
+        assert err < tol, f"{case} {name}: relative error {err:.3g}"

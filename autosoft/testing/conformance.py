@@ -30,11 +30,12 @@ import pytest
 from ..compile import compile_source
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..export import kernel_parameters
 from ..families.base import SUPPORTED_ARCHS, Family, Problem, Target, build_variant, space_of, template_root
 from ..render import render
 
 __all__ = [
-    "Case", "kernel_signatures",
+    "Case",
     "test_declarations_are_complete", "test_shape_text_round_trips", "test_default_and_seed_params_are_valid",
     "test_variant_names_are_unique_identifiers", "test_rendering_is_strict_and_deterministic",
     "test_launches_agree_with_the_rendered_kernels", "test_verification_shape_compiles_to_the_same_kernel",
@@ -46,9 +47,6 @@ ARCHS = ("80", "90")
 NAME_SAMPLE = 3000   # valid points whose names must be unique, per example problem
 COMPILE_SAMPLE = 2   # random valid points compiled besides the default and two seeds
 GPU_EXAMPLES = 4     # example problems verified on the GPU
-
-_SIGNATURE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+((?:__\w+__\s*\([^)]*\)\s*)*)(\w+)\s*\(([^)]*)\)', re.S)
-
 
 @dataclass(frozen=True)
 class Case:
@@ -62,14 +60,6 @@ class Case:
 
     def problems(self) -> list[Problem]:
         return [self.family.problem(shape, dtype, options) for shape, dtype, options in self.family.examples]
-
-
-def kernel_signatures(source: str) -> dict[str, list[str]]:
-    """The extern "C" __global__ functions of a CUDA source: name -> parameter declarations."""
-    found: dict[str, list[str]] = {}
-    for _, name, params in _SIGNATURE.findall(source):
-        found[name] = [p.strip() for p in params.split(",") if p.strip()]
-    return found
 
 
 def _sample(case: Case, problem: Problem, target: Target, k: int, seed: int) -> list[dict[str, Any]]:
@@ -176,13 +166,12 @@ def test_launches_agree_with_the_rendered_kernels(conformance_case: Case, arch: 
     for problem in conformance_case.problems():
         for params in _sample(conformance_case, problem, target, 3, seed=len(problem.shape_text)):
             variant = build_variant(family, problem, params, target)
-            kernels = kernel_signatures(variant.source)
             written: set[str] = set()
             assert variant.launches, f"{variant.name}: no launch"
             for launch in variant.launches:
-                assert launch.kernel in kernels, f"{variant.name}: no kernel {launch.kernel} in the source"
-                assert len(kernels[launch.kernel]) == len(launch.args), \
-                    f"{variant.name}: {launch.kernel} takes {len(kernels[launch.kernel])} arguments, launched with {len(launch.args)}"
+                declared = kernel_parameters(variant.source, launch.kernel)  # ValueError: no such kernel
+                assert len(declared) == len(launch.args), \
+                    f"{variant.name}: {launch.kernel} takes {len(declared)} arguments, launched with {len(launch.args)}"
                 named = {a for a in launch.args if isinstance(a, str)}
                 assert named <= buffers | {"workspace"}, f"{variant.name}: unknown buffers {named - buffers}"
                 written |= named & set(family.outputs)
