@@ -288,9 +288,8 @@ def test_failures_and_unrecorded_points_are_logged_with_their_status(tmp_path):
     report = tune(SOFTMAX, problem, 20, cache, runner=runner, seed=0)
     assert len(report.trials) == 1 + len(keep), "the default, then every recorded point once; then the space is exhausted"
     assert report.default.outcome.status is Status.INVALID and report.worker_restarts == 1
-    log = {row["variant_name"]: row for row in cache.trials()}
-    assert len(log) == len(report.trials)
-    by_params = {params_key(json.loads(row["params"])): row for row in log.values()}
+    by_params = {params_key(json.loads(row["params"])): row for row in cache.trials()}
+    assert len(by_params) == len(report.trials)
     fail_row = by_params[params_key(failed["params"])]
     assert (fail_row["status"], fail_row["time_us"], fail_row["message"]) == ("launch_fail", None, failed["message"])
     default_row = by_params[params_key(default)]
