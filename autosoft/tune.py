@@ -1,35 +1,40 @@
 """The tuning job: search a family's space for one problem and store the fastest correct variant.
 
-Compilation runs in a pool of CPU processes ahead of the GPU; a worker process verifies and
-times one variant at a time (a crash or hang costs that candidate, not the tune). Each
-evaluated variant, failures included, is recorded in the cache file's trial log and in the
-Optuna study (an SQLite file beside the cache) as soon as it finishes, so an interrupted
-tune loses at most the candidate in flight and `--resume` continues it. Only a correct
-variant can become the cache entry.
+The search (search.py) decides what to try; a Runner (runners.py) decides how a candidate is
+evaluated: the GPU worker with its compile pool ahead of the GPU, or a replay of recorded
+trials. tune() is the parts below, in order:
+
+- open_study: the Optuna study beside the cache file, fresh or resumed, over the valid points
+  (the runner's recorded points, for a replay);
+- measure_default: the family's default first; it sets the watchdog and the baseline;
+- run_trials: the evaluation loop, search <-> runner, keeping `runner.depth` candidates in flight;
+- Ledger: the bookkeeping of each finished trial (study, trial log, best, progress);
+- confirm_best: the fastest few re-timed side by side decide the winner;
+- store_entry: the cache write; only a correct variant can become the entry.
+
+Each evaluated variant, failures included, is recorded in the cache file's trial log and in
+the study as soon as it finishes, so an interrupted tune loses at most the candidates in
+flight and `--resume` continues it.
 """
 from __future__ import annotations
 
-import atexit
-import concurrent.futures as cf
-import multiprocessing as mp
-import os
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from . import __version__
 from .cache import Cache, Entry
-from .compile import CompileResult, compile_source
 from .dispatch import cache_key
+from .errors import UserError
 from .evaluate import Outcome, Status
 from .families import get_family
-from .families.base import Family, Problem, Variant, build_variant, space_of
-from .runtime import DeviceInfo, device_info
+from .families.base import Family, Problem, Target, Variant, build_variant, space_of
+from .runners import GpuRunner, Pending, Runner
+from .runtime import DeviceInfo
 from .search import Search
 from .space import ParamValue
-from .worker import GpuWorker, Watchdog
+from .worker import Watchdog
 
 _WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
 FINALISTS = 4  # fastest distinct variants of a search that are timed again side by side
@@ -80,101 +85,185 @@ def study_name(family: Family, problem: Problem, device: DeviceInfo) -> str:
                      key.template_digest[:16], key.space_digest[:16]))
 
 
-@lru_cache(maxsize=1)
-def compile_pool(workers: int) -> cf.ProcessPoolExecutor:
-    """One pool of compiler processes per session (spawned: never forked from a CUDA process)."""
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
-    atexit.register(pool.shutdown)
-    return pool
-
-
 ProgressFn = Callable[[int, int, "Measured | None", "Measured"], None]
 
 
-def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, seed: int = 0,
-         progress: ProgressFn | None = None, workers: int | None = None, resume: bool = False,
-         watchdog: Watchdog = Watchdog(), worker: GpuWorker | None = None) -> TuneReport:
-    """Tune one problem. A caller tuning many problems may pass its own GpuWorker to reuse it."""
+def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, runner: Runner | None = None,
+         seed: int = 0, progress: ProgressFn | None = None, resume: bool = False,
+         watchdog: Watchdog = Watchdog(), workers: int | None = None) -> TuneReport:
+    """Tune one problem: `trials` evaluations (the default's included), the finalists re-timed
+    side by side, the winner stored in `cache` unless a faster entry is there.
+
+    runner: how candidates are evaluated. By default a GpuRunner with `workers` compiler
+    processes, made for this call and closed after it; a caller tuning many problems passes
+    its own runner to reuse it (and closes it). resume: continue this problem's study instead
+    of starting afresh; its finished trials are not evaluated again.
+    """
     start = time.perf_counter()
     family = get_family(family) if isinstance(family, str) else family
-    device = device_info()
-    target = device.target
-    space = space_of(family)
-    valid = space.valid_points(family.problem_values(problem, target))
-    default_params = family.default_params(problem, target)
-    storage, name = study_storage(cache), study_name(family, problem, device)
-    if not resume:
-        _delete_study(storage, name)
-    search = Search(space, valid, seeds=[default_params, *family.seed_params(problem, target)], seed=seed,
-                    storage=storage, study_name=name)
-    workers = workers or max(1, min(8, (os.cpu_count() or 2) - 1))
-    pool = compile_pool(workers)
-    depth = 2 * workers  # compiles kept ahead of the GPU
-
-    measured = [Measured(build_variant(family, problem, p, target), Outcome(Status(status), t))
-                for p, t, status in search.finished()]
-    resumed = len(measured)
-    best = min((m for m in measured if m.outcome.ok), key=lambda m: m.outcome.time_us, default=None)
-    default = next((m for m in measured if dict(m.variant.params) == default_params), None)
-    launches = len(family.input_kinds) + _WARMUP + _REPS
-
-    own_worker = worker is None
-    worker = worker or GpuWorker()
-    restarts_before = worker.restarts
+    own_runner = runner is None
+    runner = runner if runner is not None else GpuRunner(workers=workers)
     try:
-        if default is None:  # the default is measured first: it sets the watchdog and the baseline
-            default = _evaluate(family, worker, pool, build_variant(family, problem, default_params, target),
-                                seed, watchdog.cap_s)
-            search.tell(default_params, default.outcome.time_us, default.outcome.status.value)
-            search.mark_tried(default_params)
-            measured.append(default)
-            _record(cache, problem, device, default)
-            if default.outcome.ok and (best is None or default.outcome.time_us < best.outcome.time_us):
-                best = default
-            if progress:
-                progress(len(measured), trials, best, default)
-        timeout_s = watchdog.limit(default.outcome.time_us, launches)
-
-        in_flight: list[tuple[Variant, cf.Future]] = []
-
-        def refill() -> None:
-            while len(in_flight) < depth and len(measured) + len(in_flight) < trials:
-                proposal = search.ask()
-                if proposal is None:
-                    return
-                variant = build_variant(family, problem, proposal.params, target)
-                in_flight.append((variant, pool.submit(compile_source, variant.source, target.arch)))
-
-        refill()
-        while in_flight:
-            variant, future = in_flight[0]
-            refill()  # keep the compilers busy while the GPU works
-            in_flight.pop(0)
-            m = Measured(variant, _outcome(family, worker, variant, future.result(), seed + len(measured), timeout_s))
-            measured.append(m)
-            search.tell(variant.params, m.outcome.time_us, m.outcome.status.value)
-            _record(cache, problem, device, m)
-            if m.outcome.ok and (best is None or m.outcome.time_us < best.outcome.time_us):
-                best = m
-            if progress:
-                progress(len(measured), trials, best, m)
-        best = _confirm_best(family, worker, pool, measured, timeout_s) or best
-        copy_us = worker.time_copy(family.bytes_moved(problem) // 2, target.l2_bytes)
-        restarts = worker.restarts - restarts_before
+        device = runner.device
+        target = device.target
+        restarts_before = runner.restarts
+        search = open_study(family, problem, device, cache, runner, seed=seed, resume=resume)
+        ledger = Ledger(search, cache, problem, device, trials, progress,
+                        default_params=family.default_params(problem, target),
+                        resumed=resumed_trials(search, family, problem, target))
+        default = measure_default(family, problem, target, runner, search, ledger, seed, watchdog.cap_s)
+        timeout_s = watchdog.limit(default.outcome.time_us, evaluation_launches(family))
+        run_trials(family, problem, target, runner, search, ledger, trials, seed, timeout_s)
+        best = confirm_best(family, runner, ledger.measured, timeout_s) or ledger.best
+        copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
+        restarts = runner.restarts - restarts_before
     finally:
-        if own_worker:
-            worker.stop()
+        if own_runner:
+            runner.close()
 
-    report = TuneReport(problem, device, best, default, copy_us, measured, resumed, worker_restarts=restarts)
+    report = TuneReport(problem, device, best, default, copy_us, ledger.measured, ledger.resumed,
+                        worker_restarts=restarts)
     if best is not None:
-        report.stored = cache.put(Entry(
-            key=cache_key(problem, device, family), variant_name=best.variant.name, params=dict(best.variant.params),
-            source_digest=best.variant.digest, time_us=best.outcome.time_us,
-            default_time_us=default.outcome.time_us, copy_time_us=copy_us,
-            launches=launches_text(best.variant), autosoft_version=__version__, created=time.time()))
+        report.stored = store_entry(cache, family, problem, device, best, default, copy_us)
     report.seconds = time.perf_counter() - start
     return report
 
+
+def evaluation_launches(family: Family) -> int:
+    """Launches of one evaluation: one per verification input kind, then warm-up and timed runs."""
+    return len(family.input_kinds) + _WARMUP + _REPS
+
+
+# --- the study ----------------------------------------------------------------------------------
+
+def valid_points(family: Family, problem: Problem, target: Target,
+                 candidates: list[dict[str, ParamValue]] | None) -> list[dict[str, ParamValue]]:
+    """The points the search may propose: every valid point of the space, or, when the runner
+    can evaluate only some (a replay), those of its candidates that are valid in the current
+    space (a recorded point whose parameter or value the space no longer declares drops out)."""
+    space = space_of(family)
+    values = family.problem_values(problem, target)
+    if candidates is None:
+        return space.valid_points(values)
+    out: list[dict[str, ParamValue]] = []
+    for params in candidates:
+        try:
+            checked = space.check_values(params)
+        except UserError:
+            continue
+        if not space.violations(checked, values) and checked not in out:
+            out.append(checked)
+    return out
+
+
+def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cache, runner: Runner, *,
+               seed: int, resume: bool) -> Search:
+    """The search over the problem's valid points, its Optuna study kept beside the cache file
+    under a name that holds everything of the cache key. Without `resume` an earlier study of
+    that name is deleted first; with it, the study's finished points are never proposed again.
+    Raises ValueError when there is no valid point (for a replay: none recorded is still valid)."""
+    target = device.target
+    valid = valid_points(family, problem, target, runner.candidates(family, problem))
+    storage, name = study_storage(cache), study_name(family, problem, device)
+    if not resume:
+        _delete_study(storage, name)
+    return Search(space_of(family), valid,
+                  seeds=[family.default_params(problem, target), *family.seed_params(problem, target)],
+                  seed=seed, storage=storage, study_name=name)
+
+
+def resumed_trials(search: Search, family: Family, problem: Problem, target: Target) -> list[Measured]:
+    """The trials an earlier run of the study finished (none for a fresh study)."""
+    return [Measured(build_variant(family, problem, p, target), Outcome(Status(status), t))
+            for p, t, status in search.finished()]
+
+
+# --- bookkeeping --------------------------------------------------------------------------------
+
+class Ledger:
+    """The bookkeeping of one tune: the trials in order (resumed ones first), the fastest correct
+    one, the default's. Each finished trial goes to the study (so a resumed tune never runs it
+    again), then to the cache file's trial log, then to `progress`: a trial reported is stored."""
+
+    def __init__(self, search: Search, cache: Cache, problem: Problem, device: DeviceInfo, total: int,
+                 progress: ProgressFn | None, *, default_params: Mapping[str, ParamValue],
+                 resumed: Sequence[Measured] = ()):
+        self._search, self._cache, self._problem, self._device = search, cache, problem, device
+        self._total, self._progress = total, progress
+        self._default_params = dict(default_params)
+        self.measured: list[Measured] = []
+        self.best: Measured | None = None
+        self.default: Measured | None = None
+        for m in resumed:
+            self._track(m)
+        self.resumed = len(self.measured)
+
+    def _track(self, m: Measured) -> None:
+        self.measured.append(m)
+        if m.outcome.ok and (self.best is None or m.outcome.time_us < self.best.outcome.time_us):
+            self.best = m
+        if self.default is None and dict(m.variant.params) == self._default_params:
+            self.default = m
+
+    def record(self, m: Measured) -> None:
+        self._search.tell(m.variant.params, m.outcome.time_us, m.outcome.status.value)
+        self._cache.record_trials([trial_row(self._problem, self._device, m)])
+        self._track(m)
+        if self._progress:
+            self._progress(len(self.measured), self._total, self.best, m)
+
+
+def trial_row(problem: Problem, device: DeviceInfo, m: Measured) -> dict[str, Any]:
+    """One row of the cache file's trial log."""
+    return {"family": problem.family, "dtype": problem.dtype, "shape": problem.shape_text, "gpu_name": device.name,
+            "variant_name": m.variant.name, "params": dict(m.variant.params), "status": m.outcome.status.value,
+            "time_us": m.outcome.time_us, "message": m.outcome.message}
+
+
+# --- the evaluation loop ------------------------------------------------------------------------
+
+def measure_default(family: Family, problem: Problem, target: Target, runner: Runner, search: Search,
+                    ledger: Ledger, seed: int, timeout_s: float) -> Measured:
+    """The family's default, measured first unless a resumed study has it: its time sets the
+    watchdog for the rest and is the baseline the report and the entry compare with."""
+    if ledger.default is None:
+        params = family.default_params(problem, target)
+        variant = build_variant(family, problem, params, target)
+        ledger.record(Measured(variant, runner.evaluate(family, variant, seed, timeout_s)))
+        search.mark_tried(params)
+    assert ledger.default is not None
+    return ledger.default
+
+
+def run_trials(family: Family, problem: Problem, target: Target, runner: Runner, search: Search, ledger: Ledger,
+               trials: int, seed: int, timeout_s: float) -> None:
+    """Ask the search, submit to the runner, record, until `trials` are measured or the space is
+    exhausted. Up to `runner.depth` candidates are submitted ahead (the GPU runner compiles them
+    meanwhile); results are taken in submission order, each with the seed of its trial number."""
+    in_flight: list[tuple[Variant, Pending]] = []
+
+    def refill() -> None:
+        while len(in_flight) < max(1, runner.depth) and len(ledger.measured) + len(in_flight) < trials:
+            proposal = search.ask()
+            if proposal is None:
+                return
+            variant = build_variant(family, problem, proposal.params, target)
+            number = len(ledger.measured) + len(in_flight)  # its place in the trial log
+            in_flight.append((variant, runner.submit(family, variant, seed + number, timeout_s)))
+
+    try:
+        while True:
+            refill()  # keep the runner busy (compiling ahead) while it evaluates the first
+            if not in_flight:
+                return
+            variant, pending = in_flight.pop(0)
+            ledger.record(Measured(variant, pending.result()))
+    finally:
+        for _, pending in in_flight:  # interrupted: nothing waits for these any more
+            pending.cancel()
+
+
+# --- re-timing and the cache write --------------------------------------------------------------
 
 def finalists(measured: list[Measured], count: int = FINALISTS) -> list[Measured]:
     """The fastest correct trials, one per variant, fastest first."""
@@ -186,44 +275,29 @@ def finalists(measured: list[Measured], count: int = FINALISTS) -> list[Measured
     return out
 
 
-def _confirm_best(family: Family, worker: GpuWorker, pool: cf.ProcessPoolExecutor, measured: list[Measured],
-                  timeout_s: float) -> Measured | None:
+def confirm_best(family: Family, runner: Runner, measured: list[Measured], timeout_s: float) -> Measured | None:
     """Re-time the finalists side by side and return the fastest, with that time; None when
     there is nothing to choose between or the re-timing failed (the search's best stands)."""
     chosen = finalists(measured)
     if len(chosen) < 2:
         return None
-    results = list(pool.map(compile_source, [m.variant.source for m in chosen],
-                            [m.variant.target.arch for m in chosen]))
-    if not all(r.ok for r in results):
-        return None
-    times = worker.time_side_by_side(family, [(m.variant, r.cubin) for m, r in zip(chosen, results)],
-                                     timeout_s * len(chosen))
+    times = runner.time_side_by_side(family, [m.variant for m in chosen], timeout_s * len(chosen))
     if times is None:
         return None
+    if len(times) != len(chosen):
+        raise RuntimeError(f"{type(runner).__name__}.time_side_by_side gave {len(times)} times for {len(chosen)} variants")
     t, m = min(zip(times, chosen), key=lambda pair: pair[0])
     return Measured(m.variant, Outcome(Status.OK, time_us=t))
 
 
-def _evaluate(family: Family, worker: GpuWorker, pool: cf.ProcessPoolExecutor, variant: Variant,
-              seed: int, timeout_s: float) -> Measured:
-    result = pool.submit(compile_source, variant.source, variant.target.arch).result()
-    return Measured(variant, _outcome(family, worker, variant, result, seed, timeout_s))
-
-
-def _outcome(family: Family, worker: GpuWorker, variant: Variant, result: CompileResult, seed: int,
-             timeout_s: float) -> Outcome:
-    if not result.ok:
-        first = next((line for line in result.log.splitlines() if "error" in line), result.log.strip()[:200])
-        return Outcome(Status.COMPILE_FAIL, message=first)
-    return worker.evaluate(family, variant, result.cubin, seed, timeout_s)
-
-
-def _record(cache: Cache, problem: Problem, device: DeviceInfo, m: Measured) -> None:
-    cache.record_trials([{
-        "family": problem.family, "dtype": problem.dtype, "shape": problem.shape_text, "gpu_name": device.name,
-        "variant_name": m.variant.name, "params": dict(m.variant.params), "status": m.outcome.status.value,
-        "time_us": m.outcome.time_us, "message": m.outcome.message}])
+def store_entry(cache: Cache, family: Family, problem: Problem, device: DeviceInfo, best: Measured,
+                default: Measured, copy_time_us: float) -> bool:
+    """Store the winner under the problem's cache key unless a faster entry is there; True when stored."""
+    return cache.put(Entry(
+        key=cache_key(problem, device, family), variant_name=best.variant.name, params=dict(best.variant.params),
+        source_digest=best.variant.digest, time_us=best.outcome.time_us,
+        default_time_us=default.outcome.time_us, copy_time_us=copy_time_us,
+        launches=launches_text(best.variant), autosoft_version=__version__, created=time.time()))
 
 
 def _delete_study(storage: str, name: str) -> None:

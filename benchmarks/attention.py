@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosoft.cache import Cache  # noqa: E402
-from autosoft.worker import GpuWorker  # noqa: E402
+from autosoft.runners import GpuRunner  # noqa: E402
 from autosoft.compile import compile_source  # noqa: E402
 from autosoft.dispatch import cache_key  # noqa: E402
 from autosoft.evaluate import poisoned, verify  # noqa: E402
@@ -55,7 +55,7 @@ def autosoft_variant(problem: Problem, cache: Cache | None, trials: int, seed: i
         entry = cache.get(cache_key(problem, device))
         source = "cached"
         if entry is None:
-            tune("attention", problem, trials, cache, seed=seed, worker=_tuning_worker())
+            tune("attention", problem, trials, cache, seed=seed, runner=_tuning_runner())
             entry = cache.get(cache_key(problem, device))
             source = "tuned"
         if entry is None:
@@ -69,11 +69,11 @@ def autosoft_variant(problem: Problem, cache: Cache | None, trials: int, seed: i
 
 
 @lru_cache(maxsize=1)
-def _tuning_worker() -> GpuWorker:
+def _tuning_runner() -> GpuRunner:
     """One GPU worker process for every tune of the run (starting one costs seconds)."""
-    worker = GpuWorker()
-    atexit.register(worker.stop)
-    return worker
+    runner = GpuRunner()
+    atexit.register(runner.close)
+    return runner
 
 
 class Inputs:

@@ -38,21 +38,21 @@ from autosoft.families.base import build_variant  # noqa: E402
 from autosoft.runtime import LoadedVariant, device_info  # noqa: E402
 from autosoft.timing import rotation_count, time_copy, time_gpu  # noqa: E402
 from autosoft.tune import tune  # noqa: E402
-from autosoft.worker import GpuWorker  # noqa: E402
+from autosoft.runners import GpuRunner  # noqa: E402
 
 SWEEP = [(4096, n) for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)] + [
     (1024, 32768), (65536, 64), (32, 131072), (8, 262144), (1, 1048576), (16384, 4000), (4096, 50257)]
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def tuned_variant(problem, cache: Cache, trials: int, seed: int, worker: GpuWorker):
+def tuned_variant(problem, cache: Cache, trials: int, seed: int, runner: GpuRunner):
     """The cached variant for this problem, tuning it first when the cache has none."""
     family = get_family("softmax")
     device = device_info()
     entry = cache.get(cache_key(problem, device))
     tuned_now = entry is None
     if entry is None:
-        tune("softmax", problem, trials, cache, seed=seed, worker=worker)
+        tune("softmax", problem, trials, cache, seed=seed, runner=runner)
         entry = cache.get(cache_key(problem, device))
     if entry is None:
         raise RuntimeError(f"tuning found no correct variant for {problem}")
@@ -72,7 +72,7 @@ def medians_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dic
 
 
 def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, rounds: int,
-              worker: GpuWorker) -> dict:
+              runner: GpuRunner) -> dict:
     from triton_softmax import TritonSoftmax
 
     m, n = problem.shape
@@ -86,7 +86,7 @@ def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, r
     row = {"shape": problem.shape_text, "dtype": problem.dtype, "bytes": nbytes}
 
     t0 = time.perf_counter()
-    loaded, tuned_now = tuned_variant(problem, cache, trials, seed, worker)
+    loaded, tuned_now = tuned_variant(problem, cache, trials, seed, runner)
     row.update(variant=loaded.variant.name, tuned_now=tuned_now, tune_s=round(time.perf_counter() - t0, 2))
     timers = {
         "copy": lambda: time_copy(nbytes // 2, device.target.l2_bytes, reps).median_us,
@@ -189,12 +189,12 @@ def main() -> int:
     cache = Cache(args.cache)
     device = device_info()
     rows = []
-    worker = GpuWorker()  # one tuning worker for the whole sweep
+    runner = GpuRunner()  # one tuning worker and compile pool for the whole sweep
     for shape in shapes:
         for dtype in args.dtypes.split(","):
             problem = family.problem("x".join(map(str, shape)), dtype)
             try:
-                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, args.rounds, worker))
+                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, args.rounds, runner))
             except Exception as exc:  # noqa: BLE001 - one broken shape must not end the sweep
                 traceback.print_exc()
                 rows.append({"shape": problem.shape_text, "dtype": dtype, "error": str(exc)})
@@ -205,8 +205,8 @@ def main() -> int:
                 f"torch {r['torch_us']:8.2f}  triton {r['triton_us'] or float('nan'):8.2f}  [{r['variant']}]"
                 if "error" not in r else f"ERROR {r['error']}"), flush=True)
     # the host figure is for a tuned variant: tune the shape into the cache if the sweep had not
-    tuned_variant(family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, args.seed, worker)
-    worker.stop()
+    tuned_variant(family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, args.seed, runner)
+    runner.close()
     overhead = host_overhead_in_fresh_process(args.cache)
     result = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
               "torch": torch.__version__, "rows": rows, "host_overhead": overhead}

@@ -178,30 +178,18 @@ def test_seeds_are_returned_as_the_declared_valid_point():
 
 # --- the tuning loop, with a stand-in GPU ----------------------------------------------------------
 
-class _closing_pools:
-    """Wraps tune.compile_pool for one test and shuts the pools it made down afterwards."""
-
-    def __init__(self, make):
-        self._make = make.__wrapped__  # compile_pool is cached per worker count: make fresh pools
-        self._pools = {}
-
-    def __call__(self, workers):
-        if workers not in self._pools:
-            self._pools[workers] = self._make(workers)
-        return self._pools[workers]
-
-    def close(self):
-        for pool in self._pools.values():
-            pool.shutdown(wait=True, cancel_futures=True)
-
-def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
-    """tune() compiles for real (NVRTC) and asks a fake device for verification and times: it runs
-    exactly the requested trials, starts with the default, logs every outcome, re-times the
-    fastest few side by side and stores the winner of that, a correct variant."""
+def test_tune_loop_with_a_stand_in_gpu(tmp_path):
+    """tune() runs a GpuRunner that compiles for real (NVRTC, in its own pool) and asks a stand-in
+    worker for verification and times: it runs exactly the requested trials, starts with the
+    default, logs every outcome, re-times the fastest few side by side and stores the winner of
+    that, a correct variant."""
+    import concurrent.futures as cf
     import hashlib
+    import multiprocessing as mp
 
     import autosoft.tune as tune_module
     from autosoft.evaluate import Outcome, Status
+    from autosoft.runners import GpuRunner
     from autosoft.runtime import DeviceInfo
 
     device = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
@@ -219,19 +207,8 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
         digest = int(hashlib.sha256(variant.name.encode()).hexdigest()[:8], 16)
         return Outcome(Status.OK, time_us=10.0 + digest % 1000 / 10 + slow_down["by"])
 
-    monkeypatch.setattr(tune_module, "device_info", lambda index=None: device)
-
     class FakeWorker:  # stands in for the GPU worker process that runs the candidates
         restarts = 0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def start(self):
-            pass
 
         def stop(self):
             pass
@@ -247,23 +224,19 @@ def test_tune_loop_with_a_stand_in_gpu(monkeypatch, tmp_path):
             side_by_side.extend(variant for variant, _ in compiled)
             return [100.0 - i + slow_down["by"] for i in range(len(compiled))]  # the slowest finalist wins
 
-    monkeypatch.setattr(tune_module, "GpuWorker", FakeWorker)
-    pools = _closing_pools(tune_module.compile_pool)  # the session's pool: shut down after this test
-    monkeypatch.setattr(tune_module, "compile_pool", pools)
-    try:
-        _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tmp_path)
-    finally:
-        pools.close()
+    with cf.ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn")) as pool:
+        runner = GpuRunner(workers=2, worker=FakeWorker(), pool=pool, device=device)
+        _check_tune_loop(tune_module, runner, device, evaluated, slow_down, side_by_side, tmp_path)
 
 
-def _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tmp_path):
+def _check_tune_loop(tune_module, runner, device, evaluated, slow_down, side_by_side, tmp_path):
     from autosoft.cache import Cache
     from autosoft.evaluate import Status
 
     family = get_family("softmax")
     problem = family.problem("64x4096", "float16")
     cache = Cache(tmp_path / "k.sqlite")
-    report = tune_module.tune("softmax", problem, 14, cache, seed=1, workers=2)
+    report = tune_module.tune("softmax", problem, 14, cache, seed=1, runner=runner)
 
     assert len(report.trials) == 14 and len(evaluated) == 14
     default = family.default_params(problem, device.target)
@@ -294,7 +267,7 @@ def _check_tune_loop(tune_module, device, evaluated, slow_down, side_by_side, tm
 
     # a second, slower run keeps the stored entry
     slow_down["by"] = 1000.0
-    again = tune_module.tune("softmax", problem, 3, cache, seed=2, workers=2)
+    again = tune_module.tune("softmax", problem, 3, cache, seed=2, runner=runner)
     assert not again.stored
     (kept,) = cache.entries()
     assert kept.time_us == entry.time_us and dict(kept.params) == dict(entry.params)
