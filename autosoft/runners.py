@@ -121,6 +121,10 @@ class Runner(abc.ABC):
         as a kernel is (the bandwidth bound a kernel is compared with). Raises RuntimeError when
         it cannot be had."""
 
+    def keep(self, variant: Variant) -> None:
+        """The tune's winner: make its compiled kernel ready for dispatch on this machine (the
+        kernel store), so the first call after a tune loads it without NVRTC. Default: nothing."""
+
     @property
     def restarts(self) -> int:
         """How many times the runner replaced a worker that faulted, hung or died so far."""
@@ -205,6 +209,11 @@ class GpuRunner(Runner):
 
     def time_copy(self, nbytes_each_way: int) -> float:
         return self._worker.time_copy(nbytes_each_way, self.device.target.l2_bytes)
+
+    def keep(self, variant: Variant) -> None:
+        from .kernel_store import default_store
+
+        default_store().get_or_compile(variant)  # a hit when an earlier process kept it
 
     @property
     def restarts(self) -> int:

@@ -117,14 +117,15 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, r
         best = confirm_best(family, runner, ledger.measured, timeout_s) or ledger.best
         copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
         restarts = runner.restarts - restarts_before
+        stored = best is not None and store_entry(cache, family, problem, device, best, default, copy_us)
+        if stored:
+            runner.keep(best.variant)  # the first call after the tune loads it without NVRTC
     finally:
         if own_runner:
             runner.close()
 
     report = TuneReport(problem, device, best, default, copy_us, ledger.measured, ledger.resumed,
-                        worker_restarts=restarts)
-    if best is not None:
-        report.stored = store_entry(cache, family, problem, device, best, default, copy_us)
+                        worker_restarts=restarts, stored=stored)
     report.seconds = time.perf_counter() - start
     return report
 

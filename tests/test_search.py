@@ -178,7 +178,7 @@ def test_seeds_are_returned_as_the_declared_valid_point():
 
 # --- the tuning loop, with a stand-in GPU ----------------------------------------------------------
 
-def test_tune_loop_with_a_stand_in_gpu(tmp_path):
+def test_tune_loop_with_a_stand_in_gpu(tmp_path, monkeypatch):
     """tune() runs a GpuRunner that compiles for real (NVRTC, in its own pool) and asks a stand-in
     worker for verification and times: it runs exactly the requested trials, starts with the
     default, logs every outcome, re-times the fastest few side by side and stores the winner of
@@ -192,6 +192,7 @@ def test_tune_loop_with_a_stand_in_gpu(tmp_path):
     from autosoft.runners import GpuRunner
     from autosoft.runtime import DeviceInfo
 
+    monkeypatch.setenv("AUTOSOFT_KERNEL_STORE", str(tmp_path / "kernels"))
     device = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
     evaluated = []
     slow_down = {"by": 0.0}
@@ -233,10 +234,14 @@ def _check_tune_loop(tune_module, runner, device, evaluated, slow_down, side_by_
     from autosoft.cache import Cache
     from autosoft.evaluate import Status
 
+    from autosoft.kernel_store import KernelStore
+
     family = get_family("softmax")
     problem = family.problem("64x4096", "float16")
     cache = Cache(tmp_path / "k.sqlite")
     report = tune_module.tune("softmax", problem, 14, cache, seed=1, runner=runner)
+    store = KernelStore()  # $AUTOSOFT_KERNEL_STORE, set by the test
+    assert store.get(report.best.variant.digest), "the winner's cubin is kept for the first call after the tune"
 
     assert len(report.trials) == 14 and len(evaluated) == 14
     default = family.default_params(problem, device.target)
