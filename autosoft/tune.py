@@ -31,7 +31,7 @@ from .evaluate import Outcome, Status
 from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, space_of
 from .runners import GpuRunner, Pending, Runner
-from .runtime import DeviceInfo
+from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
 from .space import ParamValue
 from .worker import Watchdog
@@ -128,6 +128,28 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, r
                         worker_restarts=restarts, stored=stored)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def tuned_kernel(family: Family | str, problem: Problem, cache: Cache, trials: int, *,
+                 runner: Runner | None = None, seed: int = 0) -> tuple[LoadedVariant, bool]:
+    """The problem's tuned kernel from `cache`, loaded on the current device, after tuning it into
+    the cache with `trials` trials when the cache holds no entry for this GPU: what a benchmark
+    needs ("tune or load"). Returns (loaded variant, whether it was tuned now). Raises
+    RuntimeError when tuning finds no correct variant."""
+    from .kernel_store import default_store
+    from .runtime import device_info
+
+    family = get_family(family) if isinstance(family, str) else family
+    device = device_info()
+    entry = cache.get(cache_key(problem, device, family))
+    tuned_now = entry is None
+    if entry is None:
+        tune(family, problem, trials, cache, runner=runner, seed=seed)
+        entry = cache.get(cache_key(problem, device, family))
+    if entry is None:
+        raise RuntimeError(f"tuning found no correct {family.name} variant for {problem.shape_text} {problem.dtype}")
+    variant = build_variant(family, problem, entry.params, device.target)
+    return LoadedVariant(variant, default_store().get_or_compile(variant)), tuned_now
 
 
 def evaluation_launches(family: Family) -> int:

@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autosoft.cache import Cache  # noqa: E402
 from autosoft.runners import GpuRunner  # noqa: E402
 from autosoft.compile import compile_source  # noqa: E402
-from autosoft.dispatch import cache_key  # noqa: E402
 from autosoft.evaluate import poisoned, verify  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
 from autosoft.families.base import Problem, build_variant, space_of  # noqa: E402
 from autosoft.runtime import LoadedVariant, device_info  # noqa: E402
 from autosoft.timing import rotation_count, time_gpu  # noqa: E402
-from autosoft.tune import tune  # noqa: E402
+from autosoft.tune import tuned_kernel  # noqa: E402
+from autosoft.kernel_store import default_store  # noqa: E402
 
 SHAPES = [(1, 32, 8192, 64), (4, 16, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (2, 16, 16384, 128),
           (16, 16, 512, 64)]
@@ -49,23 +49,12 @@ FAMILY = get_family("attention")
 
 def autosoft_variant(problem: Problem, cache: Cache | None, trials: int, seed: int) -> tuple[LoadedVariant, str]:
     """The cached variant for this problem (tuning it first when the cache has none), or the default."""
-    device = device_info()
-    params, source = FAMILY.default_params(problem, device.target), "default"
     if cache is not None:
-        entry = cache.get(cache_key(problem, device))
-        source = "cached"
-        if entry is None:
-            tune("attention", problem, trials, cache, seed=seed, runner=_tuning_runner())
-            entry = cache.get(cache_key(problem, device))
-            source = "tuned"
-        if entry is None:
-            raise RuntimeError(f"tuning found no correct variant for {problem.shape_text}")
-        params = entry.params
-    variant = build_variant(FAMILY, problem, params, device.target)
-    result = compile_source(variant.source, variant.target.arch)
-    if not result.ok:
-        raise RuntimeError(f"{variant.name} does not compile: {result.log[:500]}")
-    return LoadedVariant(variant, result.cubin), source
+        loaded, tuned_now = tuned_kernel(FAMILY, problem, cache, trials, runner=_tuning_runner(), seed=seed)
+        return loaded, "tuned" if tuned_now else "cached"
+    device = device_info()
+    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, device.target), device.target)
+    return LoadedVariant(variant, default_store().get_or_compile(variant)), "default"
 
 
 @lru_cache(maxsize=1)

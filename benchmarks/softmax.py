@@ -31,34 +31,15 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosoft.cache import Cache  # noqa: E402
-from autosoft.compile import compile_source  # noqa: E402
-from autosoft.dispatch import cache_key  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
-from autosoft.families.base import build_variant  # noqa: E402
-from autosoft.runtime import LoadedVariant, device_info  # noqa: E402
+from autosoft.runtime import device_info  # noqa: E402
 from autosoft.timing import rotation_count, time_copy, time_gpu  # noqa: E402
-from autosoft.tune import tune  # noqa: E402
+from autosoft.tune import tuned_kernel  # noqa: E402
 from autosoft.runners import GpuRunner  # noqa: E402
 
 SWEEP = [(4096, n) for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)] + [
     (1024, 32768), (65536, 64), (32, 131072), (8, 262144), (1, 1048576), (16384, 4000), (4096, 50257)]
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def tuned_variant(problem, cache: Cache, trials: int, seed: int, runner: GpuRunner):
-    """The cached variant for this problem, tuning it first when the cache has none."""
-    family = get_family("softmax")
-    device = device_info()
-    entry = cache.get(cache_key(problem, device))
-    tuned_now = entry is None
-    if entry is None:
-        tune("softmax", problem, trials, cache, seed=seed, runner=runner)
-        entry = cache.get(cache_key(problem, device))
-    if entry is None:
-        raise RuntimeError(f"tuning found no correct variant for {problem}")
-    variant = build_variant(family, problem, entry.params, device.target)
-    result = compile_source(variant.source, variant.target.arch)
-    return LoadedVariant(variant, result.cubin), tuned_now
 
 
 def medians_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
@@ -86,7 +67,7 @@ def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, r
     row = {"shape": problem.shape_text, "dtype": problem.dtype, "bytes": nbytes}
 
     t0 = time.perf_counter()
-    loaded, tuned_now = tuned_variant(problem, cache, trials, seed, runner)
+    loaded, tuned_now = tuned_kernel("softmax", problem, cache, trials, runner=runner, seed=seed)
     row.update(variant=loaded.variant.name, tuned_now=tuned_now, tune_s=round(time.perf_counter() - t0, 2))
     timers = {
         "copy": lambda: time_copy(nbytes // 2, device.target.l2_bytes, reps).median_us,
@@ -205,7 +186,7 @@ def main() -> int:
                 f"torch {r['torch_us']:8.2f}  triton {r['triton_us'] or float('nan'):8.2f}  [{r['variant']}]"
                 if "error" not in r else f"ERROR {r['error']}"), flush=True)
     # the host figure is for a tuned variant: tune the shape into the cache if the sweep had not
-    tuned_variant(family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, args.seed, runner)
+    tuned_kernel(family, family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, runner=runner, seed=args.seed)
     runner.close()
     overhead = host_overhead_in_fresh_process(args.cache)
     result = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
