@@ -120,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():  # restores the global hooks when main() is called in-process
             warnings.showwarning = _show_warning
-            args = build_parser().parse_args(argv)
+            args, extra = build_parser().parse_known_args(argv)
+            if extra:  # argparse would blame the top-level parser; name the command that was meant
+                where = " ".join(w for w in ("autosoft", args.command, getattr(args, "family", None)) if w)
+                raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `{where} --help`)")
             code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render}[args.command](args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a reader that went away shows here, where it is caught, not at exit
