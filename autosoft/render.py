@@ -39,8 +39,8 @@ def template_digest(template: str, root: str | None = None) -> str:
     """sha256 of every template file a render of `template` can read: editing any of them retires
     the cache entries made with the old text.
 
-    The rule: the files `*.j2` directly in the template's own folder and directly in the root's
-    `common/` folder (where there is one), sorted by their path under the root, each fed to the
+    The rule: the template and the files `*.j2` directly in its own folder and directly in the
+    root's `common/` folder (where there is one), sorted by their path under the root, each fed to the
     hash as its path, its length and its bytes. Folders rather than the names a template names,
     because includes choose files by parameter at render time ("softmax/storage_" ~ storage),
     which no reading of the template resolves.
@@ -52,9 +52,11 @@ def template_digest(template: str, root: str | None = None) -> str:
     """
     base = Path(root) if root else templates_dir()
     folders = _covered_folders(template, base)
-    names = sorted(name for folder in folders for name in _templates_in(base, folder))
-    if template not in names:  # a missing template fails as it would in render
+    found = {name for folder in folders for name in _templates_in(base, folder)}
+    if template not in found:  # a template not named *.j2 is hashed too; a missing one fails as in render
         environment(root).get_template(template)
+        found.add(template)
+    names = sorted(found)
     digest = hashlib.sha256()
     for name in names:
         data = (base / name).read_bytes()
