@@ -261,15 +261,6 @@ def test_build_variant_refuses_invalid_points_and_foreign_values():
         build_variant(SOFTMAX, problem, {**base, "extra": 1}, target)
 
 
-def test_template_digest_is_sha256_of_the_template_text():
-    import hashlib
-
-    from autosoft.resources import templates_dir
-
-    text = (templates_dir() / SOFTMAX.template).read_text()
-    assert template_digest(SOFTMAX.template) == hashlib.sha256(text.encode()).hexdigest()
-
-
 def test_compile_failure_is_returned_not_raised():
     result = compile_source('extern "C" __global__ void k(float* y) { y[0] = undeclared_name; }', "90")
     assert not result.ok and result.cubin == b""

@@ -1,0 +1,320 @@
+"""Templates in parts: the shared prelude and PTX helpers under templates/common/, softmax's
+storage strategies and combine modes as include files, and a template digest that covers every
+file a render reads.
+
+Run as a script, it is the byte-identity check of a template refactor (a one-off, not a test:
+it renders about two million variants):
+
+    python tests/test_templates_parts.py snapshot /tmp/render-hashes.json   # before the change
+    python tests/test_templates_parts.py compare /tmp/render-hashes.json    # after it
+
+snapshot renders every valid point of a set of softmax and attention problems and saves the
+sha256 of each rendered source; compare renders the same points again and reports any variant
+whose source changed.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Iterator
+
+import jinja2
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The problems of the byte-identity check: every valid point of each, on sm_90 and sm_80.
+SOFTMAX_SHAPES = ("4096x8192", "7x1025", "32x131072", "1x1048576", "65536x64", "4096x50257",
+                  "16384x4000", "1024x32768")
+ATTENTION_SHAPES = ("1x32x8192x64", "4x16x4096x128", "3x7x1000x64", "1x2x77x32")
+ARCHS = ("90", "80")
+
+
+def _cases() -> Iterator[tuple[str, str, str, tuple[str, ...], str]]:
+    for shape in SOFTMAX_SHAPES:
+        for dtype in ("float32", "float16", "bfloat16"):
+            for arch in ARCHS:
+                yield "softmax", shape, dtype, (), arch
+    for shape in ATTENTION_SHAPES:
+        for dtype in ("float16", "bfloat16"):
+            for flags in ((), ("causal",)):
+                for arch in ARCHS:
+                    yield "attention", shape, dtype, flags, arch
+
+
+def _render_case(name: str, shape: str, dtype: str, flags: tuple[str, ...], arch: str) -> dict[str, Any]:
+    """Every valid point of one problem: a digest of the point list, and per point (in
+    valid_points order) an index into the distinct source hashes."""
+    from autosoft.families import get_family
+    from autosoft.families.base import Target, build_variant, space_of
+
+    family = get_family(name)
+    problem = family.problem(shape, dtype, flags)
+    target = Target.for_arch(arch)
+    points = space_of(family).valid_points(family.problem_values(problem, target))
+    unique: dict[str, int] = {}
+    index: list[int] = []
+    for params in points:
+        digest = hashlib.sha256(build_variant(family, problem, params, target).source.encode()).hexdigest()
+        index.append(unique.setdefault(digest, len(unique)))
+    points_digest = hashlib.sha256(json.dumps(points, sort_keys=True).encode()).hexdigest()
+    return {"points": points_digest, "sources": list(unique), "index": index}
+
+
+def _label(case: tuple[str, str, str, tuple[str, ...], str]) -> str:
+    name, shape, dtype, flags, arch = case
+    return f"{name} {shape}{''.join('+' + f for f in flags)} {dtype} sm_{arch}"
+
+
+def snapshot(path: str) -> None:
+    result = {}
+    for case in _cases():
+        result[_label(case)] = _render_case(*case)
+        print(_label(case), len(result[_label(case)]["index"]), "points", flush=True)
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
+def compare(path: str) -> int:
+    with open(path) as f:
+        before = json.load(f)
+    variants = identical = 0
+    for case in _cases():
+        label = _label(case)
+        old, new = before[label], _render_case(*case)
+        assert old["points"] == new["points"], f"{label}: the valid points changed; compare needs the same space"
+        same = sum(old["sources"][i] == new["sources"][j] for i, j in zip(old["index"], new["index"]))
+        variants += len(old["index"])
+        identical += same
+        print(f"{label}: {same}/{len(old['index'])} identical ({len(new['sources'])} distinct sources)", flush=True)
+    print(f"total: {identical}/{variants} variants render byte-identical sources")
+    return 0 if identical == variants else 1
+
+
+
+# ---- tests --------------------------------------------------------------------------------
+
+def _families():
+    from autosoft.families import get_family
+
+    return [get_family("softmax"), get_family("attention")]
+
+
+def _template_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def _edit(path: Path) -> None:
+    """A change that renders nothing: a Jinja comment at the end of the file."""
+    path.write_text(path.read_text() + "{# edited #}\n")
+
+
+def _recorded_loads(points) -> dict[str, set[str]]:
+    """The template files each family's renders of `points` read, through a loader that records
+    every file it opens (no template cache: every include and import is loaded again)."""
+    from autosoft.families.base import build_variant, template_root
+    from autosoft.render import environment, templates_dir
+
+    loaded: set[str] = set()
+
+    class Recording(jinja2.FileSystemLoader):
+        def get_source(self, env, name):
+            loaded.add(name)
+            return super().get_source(env, name)
+
+    recorder = environment().overlay(loader=Recording(str(templates_dir())), cache_size=0)
+    reads: dict[str, set[str]] = {}
+    for family, problem, target, params in points:
+        assert template_root(family) is None
+        loaded.clear()
+        source = recorder.get_template(family.template).render(**_render_args(family, problem, params, target))
+        assert source == build_variant(family, problem, params, target).source
+        reads.setdefault(family.template, set()).update(loaded)
+    return reads
+
+
+def _render_args(family, problem, params, target) -> dict[str, Any]:
+    """The arguments build_variant renders a point with."""
+    from autosoft.families.base import space_of
+
+    space = space_of(family)
+    checked = space.check_values(params)
+    values = space.evaluate(checked, family.problem_values(problem, target))
+    launches, _ = family.launches(problem, values, target)
+    return {**family.template_args(problem, values), "name": family.variant_name(problem, checked),
+            "kernel_names": [launch.kernel for launch in launches]}
+
+
+def _one_point_per_strategy():
+    """For softmax, a valid point of each storage with split 1 and of each combine mode with split
+    rows, for 32-bit and 16-bit data; for attention, one point of each problem kind."""
+    from autosoft.families.base import Target, space_of
+
+    softmax, attention = _families()
+    picks = []
+    for dtype in ("float32", "float16"):
+        for shape in ("4096x8192", "32x131072"):
+            problem = softmax.problem(shape, dtype)
+            target = Target.for_arch("90")
+            seen = set()
+            for params in space_of(softmax).valid_points(softmax.problem_values(problem, target)):
+                kind = (params["storage"], params["combine"] if params["split"] > 1 else None)
+                if kind not in seen:
+                    seen.add(kind)
+                    picks.append((softmax, problem, target, params))
+    for flags in ((), ("causal",)):
+        problem = attention.problem("1x2x77x32", "bfloat16", flags)
+        target = Target.for_arch("80")
+        picks.append((attention, problem, target, attention.default_params(problem, target)))
+    return picks
+
+
+@pytest.fixture(scope="module")
+def strategy_points():
+    return _one_point_per_strategy()
+
+
+@pytest.fixture(scope="module")
+def loads(strategy_points):
+    return _recorded_loads(strategy_points)
+
+
+def test_sample_covers_every_strategy(strategy_points):
+    kinds = {(p["storage"], p["combine"] if p["split"] > 1 else None)
+             for f, _, _, p in strategy_points if f.name == "softmax"}
+    assert kinds == {("registers", None), ("smem", None), ("reread", None),
+                     ("registers", "cluster"), ("registers", "grid"), ("reread", "launches")}
+
+
+def test_every_template_file_is_read_by_some_render_and_covered_by_its_digest(loads):
+    """Each file under templates/ is read by a render, and every file a render reads is among
+    the files its family's digest hashes (the rule of render.template_digest)."""
+    from autosoft.render import _covered_folders, _templates_in, templates_dir
+
+    root = templates_dir()
+    assert set().union(*loads.values()) == set(_template_files(root))
+    for template, read in loads.items():
+        covered = {n for folder in _covered_folders(template, root) for n in _templates_in(root, folder)}
+        assert read <= covered, read - covered
+
+
+def test_both_templates_include_common_files(loads):
+    for template in ("softmax/softmax.cu.j2", "attention/attention.cu.j2"):
+        assert {"common/dtype.cuh.j2", "common/ptx.cuh.j2"} <= loads[template]
+
+
+def test_softmax_reads_one_include_per_chosen_strategy(strategy_points):
+    softmax = strategy_points[0][0]
+    for family, problem, target, params in strategy_points:
+        if family is not softmax:
+            continue
+        read = _recorded_loads([(family, problem, target, params)])[family.template]
+        strategies = sorted(n for n in read if n.startswith(("softmax/storage_", "softmax/combine_")))
+        assert strategies == sorted([f"softmax/combine_{params['combine']}.cuh.j2",
+                                     f"softmax/storage_{params['storage']}.cuh.j2"])
+
+
+def test_template_digest_is_the_documented_rule():
+    """sha256 over the *.j2 files of the template's folder and of common/, sorted by path under
+    the root, each as path, NUL, length, NUL, bytes."""
+    from autosoft.render import template_digest, templates_dir
+
+    root = templates_dir()
+    for family in _families():
+        folder = family.template.rpartition("/")[0]
+        digest = hashlib.sha256()
+        for name in sorted(n for n in _template_files(root)
+                           if n.rpartition("/")[0] in (folder, "common") and n.endswith(".j2")):
+            data = (root / name).read_bytes()
+            digest.update(f"{name}\0{len(data)}\0".encode() + data)
+        assert template_digest(family.template) == digest.hexdigest()
+
+
+def test_digest_changes_when_any_file_a_render_reads_changes(tmp_path):
+    """Edit each template file in turn in a copy of templates/: the digest of every family
+    whose renders read it changes, and no other family's does."""
+    from autosoft.render import template_digest, templates_dir
+
+    for i, name in enumerate(_template_files(templates_dir())):
+        copy = tmp_path / f"t{i}"  # a root per edit: render.environment is cached per root
+        shutil.copytree(templates_dir(), copy)
+        before = {f.template: template_digest(f.template, root=str(copy)) for f in _families()}
+        _edit(copy / name)
+        for family in _families():
+            reads = name.startswith(("common/", family.template.rpartition("/")[0] + "/"))
+            changed = template_digest(family.template, root=str(copy)) != before[family.template]
+            assert changed == reads, (name, family.template)
+
+
+def test_digest_refuses_an_include_it_would_not_cover(tmp_path):
+    from autosoft.render import template_digest, templates_dir
+
+    for line in ('{% include "attention/attention.cu.j2" %}',              # another family's folder
+                 '{% include "attention/x_" ~ storage ~ ".cuh.j2" %}',     # computed, outside
+                 '{% include storage ~ ".cuh.j2" %}',                      # computed, no constant folder
+                 '{% include "common/sub/x.cuh.j2" %}'):                   # below common/
+        copy = tmp_path / hashlib.sha256(line.encode()).hexdigest()[:12]
+        shutil.copytree(templates_dir(), copy)
+        path = copy / "softmax" / "storage_smem.cuh.j2"
+        path.write_text(path.read_text() + line + "\n")
+        with pytest.raises(jinja2.TemplateError, match="would not cover|could not tell"):
+            template_digest("softmax/softmax.cu.j2", root=str(copy))
+        assert template_digest("attention/attention.cu.j2", root=str(copy))  # attention reads none of it
+
+
+def test_digest_of_a_family_with_its_own_root_and_no_common_folder(tmp_path):
+    """tests/fault_family keeps its template at the top of its own root, beside Python files."""
+    from autosoft.render import template_digest
+
+    source = REPO / "tests" / "fault_family"
+    copy = tmp_path / "fault_family"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    digest = template_digest("faulty.cu.j2", root=str(copy))
+    assert digest == template_digest("faulty.cu.j2", root=str(source))  # __pycache__ is not hashed
+    data = (copy / "faulty.cu.j2").read_bytes()
+    assert digest == hashlib.sha256(f"faulty.cu.j2\0{len(data)}\0".encode() + data).hexdigest()
+    (copy / "faulty.yaml").write_text((copy / "faulty.yaml").read_text() + "\n# not a template\n")
+    assert template_digest("faulty.cu.j2", root=str(copy)) == digest
+    _edit(copy / "faulty.cu.j2")
+    assert template_digest("faulty.cu.j2", root=str(copy)) != digest
+
+
+def test_package_data_ships_every_template_file():
+    """pyproject's package-data globs for autosoft.templates match every file under templates/."""
+    from autosoft.render import templates_dir
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["autosoft.templates"]
+    for name in _template_files(templates_dir()):
+        assert any(fnmatch.fnmatch(name, g) for g in globs), name
+
+
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_one_variant_per_strategy_compiles_with_nvrtc(strategy_points, arch):
+    """Every include file in use, compiled: the cluster kernels only where sm_90 allows them."""
+    from autosoft.compile import compile_source
+    from autosoft.families.base import Target, build_variant, is_valid
+
+    target = Target.for_arch(arch)
+    built = 0
+    for family, problem, _, params in strategy_points:
+        if not is_valid(family, problem, target, params):
+            continue
+        variant = build_variant(family, problem, params, target)
+        result = compile_source(variant.source, arch)
+        assert result.ok, f"{variant.name} on sm_{arch}:\n{result.log[-2000:]}"
+        built += 1
+    assert built >= (8 if arch == "90" else 6)
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's autosoft
+    if len(sys.argv) != 3 or sys.argv[1] not in ("snapshot", "compare"):
+        sys.exit(__doc__)
+    sys.exit(snapshot(sys.argv[2]) if sys.argv[1] == "snapshot" else compare(sys.argv[2]))
