@@ -16,7 +16,7 @@ from autosoft.compile import COMPILE_OPTIONS, compile_source, source_digest
 from autosoft.errors import UserError
 from autosoft.families import get_family
 from autosoft.families.base import DTYPES, Problem, Target, build_variant, space_of
-from autosoft.render import environment, render, template_digest
+from autosoft.render import environment, render
 
 from helpers import cuda_tool
 
