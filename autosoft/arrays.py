@@ -108,20 +108,7 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
         return empty
     problem = family.problem_for(shapes, dtype, options)
     launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names)
-    specs = tuple(outputs.values())
-    need_align = family.input_alignment
-    fix = fw.fix
-    empty_out = fw.empty
-    stream_of = fw.stream
-
-    def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
-        arrays = [fix(a, need_align) for a in arrays]
-        ptrs = [fw.ptr(a) for a in arrays]
-        outs = tuple(empty_out(shape, dt, device, ptrs[0]) for shape, dt in specs)
-        launch(*ptrs, *[fw.ptr(o) for o in outs], *scalars, stream_of(device))
-        return outs
-
-    return plan
+    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment)
 
 
 class _Framework:
@@ -135,6 +122,21 @@ class _Framework:
     def fix(self, a: Any, align: int) -> Any: ...
     def empty(self, shape: tuple[int, ...], dtype: str, device: int, like_ptr: int) -> Any: ...
     def stream(self, device: int) -> int: ...
+
+    def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
+             align: int) -> Callable[..., tuple[Any, ...]]:
+        """plan(arrays, scalar_values) -> outputs: each input made contiguous and `align`-ed (a copy
+        only where it is not), outputs allocated sharing the first input's address mod 16, one
+        launch on the device's current stream. The generic form; frameworks may specialise it."""
+        fix, ptr, empty, stream = self.fix, self.ptr, self.empty, self.stream
+
+        def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+            ptrs = [ptr(fix(a, align)) for a in arrays]
+            outs = tuple(empty(shape, dt, device, ptrs[0]) for shape, dt in specs)
+            launch(*ptrs, *[ptr(o) for o in outs], *scalars, stream(device))
+            return outs
+
+        return plan
 
     def loaded(self, problem: Problem, device: int) -> Any:
         from .runtime import cupy_module
@@ -150,6 +152,37 @@ class _TorchArrays(_Framework):
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         # the raw handle without building a torch Stream object (Triton reads it the same way)
         self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+    def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
+             align: int) -> Callable[..., tuple[Any, ...]]:
+        """The generic plan with the torch calls written out: this is autosoft.softmax's hot path,
+        where every call into torch costs a few hundred nanoseconds."""
+        torch = self.torch
+        empty, contiguous = torch.empty, torch.contiguous_format
+        where = torch.device("cuda", device)
+        outs_spec = tuple((shape, self._dtypes[dt]) for shape, dt in specs)
+        stream, realign = self.stream, self._realigned
+
+        def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+            ptrs = []
+            for a in arrays:
+                if not a.is_contiguous() or (align > 1 and a.data_ptr() % align):
+                    a = a.clone(memory_format=contiguous)  # a fresh block is 256-byte aligned
+                ptrs.append(a.data_ptr())
+            first = ptrs[0] % VEC_ALIGN
+            outs = []
+            for shape, dt in outs_spec:
+                out = empty(shape, dtype=dt, device=where)
+                address = out.data_ptr()
+                if address % VEC_ALIGN != first:
+                    out = realign(out, first)
+                    address = out.data_ptr()
+                outs.append(out)
+                ptrs.append(address)
+            launch(*ptrs, *scalars, stream(device))
+            return tuple(outs)
+
+        return plan
 
     def check(self, who: str, names: Sequence[str], arrays: Sequence[Any]) -> None:
         torch = self.torch
@@ -180,15 +213,16 @@ class _TorchArrays(_Framework):
         return a.clone(memory_format=self.torch.contiguous_format)  # a fresh block is 256-byte aligned
 
     def empty(self, shape: tuple[int, ...], dtype: str, device: int, like_ptr: int) -> Any:
-        torch = self.torch
-        out = torch.empty(shape, dtype=self._dtypes[dtype], device=device)
+        out = self.torch.empty(shape, dtype=self._dtypes[dtype], device=device)
         misalign = like_ptr % VEC_ALIGN
-        if misalign == out.data_ptr() % VEC_ALIGN:
-            return out
+        return out if misalign == out.data_ptr() % VEC_ALIGN else self._realigned(out, misalign)
+
+    def _realigned(self, out: Any, misalign: int) -> Any:
+        """A tensor like `out` whose address is `misalign` past a multiple of 16 bytes."""
         itemsize = out.element_size()
-        flat = torch.empty(out.numel() + VEC_ALIGN // itemsize, dtype=out.dtype, device=device)
+        flat = self.torch.empty(out.numel() + VEC_ALIGN // itemsize, dtype=out.dtype, device=out.device)
         start = misalign // itemsize
-        return flat[start:start + out.numel()].view(shape)
+        return flat[start:start + out.numel()].view(out.shape)
 
 
 class _CupyArrays(_Framework):
