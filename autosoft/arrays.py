@@ -93,12 +93,12 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     if len(arrays) != len(array_names):
         raise TypeError(f"{who}: expected {len(array_names)} arrays ({', '.join(array_names)}), got {len(arrays)}")
     fw.check(who, array_names, arrays)
-    dtypes = {fw.dtype(a) for a in arrays}
     dtype = fw.dtype(arrays[0])
-    if dtype is None or dtype not in family.dtypes or len(dtypes) != 1:
-        got = ", ".join(str(a.dtype) for a in arrays)
-        raise TypeError(f"{who}: {'the arrays must share one dtype, ' if len(dtypes) > 1 else ''}"
-                        f"{family.dtypes} are supported, got {got}")
+    if len({str(a.dtype) for a in arrays}) > 1:
+        raise TypeError(f"{who}: {', '.join(array_names)} must share one dtype, got "
+                        f"{', '.join(str(a.dtype) for a in arrays)}")
+    if dtype not in family.dtypes:
+        raise TypeError(f"{who}: unsupported dtype {arrays[0].dtype}; use {' or '.join(family.dtypes)}")
     device = fw.device(arrays[0])
     shapes = {n: tuple(int(s) for s in a.shape) for n, a in zip(array_names, arrays)}
     outputs = family.caller_outputs(shapes, dtype)
