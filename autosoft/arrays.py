@@ -32,27 +32,33 @@ def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, Optio
     Raises TypeError for host arrays, non-arrays, mixed frameworks and dtypes the family does not
     take; ValueError for shapes it does not take; NoDeviceError where no GPU is usable.
     """
-    options = options or {}
-    scalars = scalars or {}
+    opts = tuple(options.items()) if options else ()
+    names = tuple(scalars) if scalars else ()
+    values = tuple(scalars.values()) if scalars else ()
     torch = sys.modules.get("torch")
     first = arrays[0] if arrays else None
     if torch is not None and isinstance(first, torch.Tensor):
-        key = (name, tuple(options.items()), tuple(scalars),
-               *[(a.dtype, a.shape, a.get_device()) if isinstance(a, torch.Tensor) else None for a in arrays])
+        # the hot path: one dict lookup by what decides the plan (dtype, shape, device of each array)
+        try:
+            if len(arrays) == 1:
+                key = (name, opts, names, first.dtype, first.shape, first.get_device())
+            else:
+                key = (name, opts, names, *[(a.dtype, a.shape, a.get_device()) for a in arrays])
+        except AttributeError:  # a later argument is no tensor: _prepare says so
+            key = None
         plan = DISPATCHER.fast.get(key)
         if plan is None:
-            plan = _prepare(get_family(name), _TorchArrays(torch), arrays, options, tuple(scalars))
-            DISPATCHER.fast[key] = plan
-        return plan(arrays, tuple(scalars.values()))
+            plan = _prepare(get_family(name), _TorchArrays(torch), arrays, options or {}, names)
+            if key is not None:
+                DISPATCHER.fast[key] = plan
+        return plan(arrays, values)
     family = get_family(name)
     arrays = _as_cupy(family, arrays)
-    key = (name, tuple(options.items()), tuple(scalars),
-           *[(a.dtype, a.shape, a.data.device_id) for a in arrays])
+    key = (name, opts, names, *[(a.dtype, a.shape, a.data.device_id) for a in arrays])
     plan = DISPATCHER.fast.get(key)
     if plan is None:
-        plan = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options, tuple(scalars))
-        DISPATCHER.fast[key] = plan
-    return plan(arrays, tuple(scalars.values()))
+        plan = DISPATCHER.fast[key] = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options or {}, names)
+    return plan(arrays, values)
 
 
 def _as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:

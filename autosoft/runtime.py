@@ -132,6 +132,42 @@ class LoadedVariant:
         driver_error = _driver().CUDADriverError
         lock, workspace = self._lock, self._workspace
 
+        def on_device(args: tuple[Any, ...], error: Exception) -> None:
+            """A launch that failed: called while another device was current, retry from ours;
+            else the error stands."""
+            cp = cupy_module()
+            if cp.cuda.runtime.getDevice() == self.device:
+                raise error
+            with cp.cuda.Device(self.device):
+                launch(*args)
+
+        if len(plans) == 1 and not plans[0][0].cooperative:
+            # one kernel (softmax's usual case): the driver call with its arguments bound here,
+            # pointers written straight into their slots; every other case takes the loop below
+            raw, binds = plans[0]
+            slots, set_slot, pointer = raw.slots, raw.set, ctypes.c_void_p
+            launch_kernel = _driver().launchKernel
+            function_ptr, params_ptr = raw.function_ptr, raw.params_ptr
+            gx, gy, gz, bx, by, bz, smem = raw.geometry
+
+            def launch(*args: Any) -> None:
+                stream_ptr = args[-1]
+                try:
+                    with lock:
+                        for slot, at in binds:
+                            value = args[at] if at >= 0 else workspace(stream_ptr)
+                            if type(value) is int and type(slots[slot]) is pointer:
+                                slots[slot].value = value
+                            else:
+                                set_slot(slot, value)
+                        launch_kernel(function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_ptr, 0)
+                    return
+                except driver_error as exc:
+                    error = exc
+                on_device(args, error)
+
+            return launch
+
         def launch(*args: Any) -> None:
             stream_ptr = args[-1]
             try:
@@ -141,12 +177,9 @@ class LoadedVariant:
                             raw.set(slot, args[at] if at >= 0 else workspace(stream_ptr))
                         raw.start(stream_ptr)
                 return
-            except driver_error:
-                cp = cupy_module()
-                if cp.cuda.runtime.getDevice() == self.device:
-                    raise
-            with cupy_module().cuda.Device(self.device):  # called while another device was current
-                launch(*args)
+            except driver_error as exc:
+                error = exc
+            on_device(args, error)
 
         return launch
 

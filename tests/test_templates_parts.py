@@ -251,8 +251,8 @@ def test_digest_changes_when_any_file_a_render_reads_changes(tmp_path):
             assert changed == reads, (name, family.template)
 
 
-def test_digest_refuses_an_include_it_would_not_cover(tmp_path):
-    from autosoft.render import template_digest, templates_dir
+def test_check_references_refuses_an_include_the_digest_would_not_cover(tmp_path):
+    from autosoft.render import check_references, template_digest, templates_dir
 
     for line in ('{% include "attention/attention.cu.j2" %}',              # another family's folder
                  '{% include "attention/x_" ~ storage ~ ".cuh.j2" %}',     # computed, outside
@@ -263,8 +263,9 @@ def test_digest_refuses_an_include_it_would_not_cover(tmp_path):
         path = copy / "softmax" / "storage_smem.cuh.j2"
         path.write_text(path.read_text() + line + "\n")
         with pytest.raises(jinja2.TemplateError, match="would not cover|could not tell"):
-            template_digest("softmax/softmax.cu.j2", root=str(copy))
-        assert template_digest("attention/attention.cu.j2", root=str(copy))  # attention reads none of it
+            check_references("softmax/softmax.cu.j2", root=str(copy))
+        check_references("attention/attention.cu.j2", root=str(copy))  # attention reads none of it
+        assert template_digest("softmax/softmax.cu.j2", root=str(copy))  # the digest itself only hashes
 
 
 def test_digest_of_a_family_with_its_own_root_and_no_common_folder(tmp_path):

@@ -24,7 +24,8 @@ ENTRY_POINT_GROUP = "autosoft.families"
 
 _registry: dict[str, Family] = {}  # the one registry: filled once, then only read
 _lock = threading.Lock()
-_discovered = False
+_built_in = False   # the modules of this package imported
+_plugged_in = False  # the entry points loaded
 
 
 def register(family: Family) -> Family:
@@ -40,25 +41,29 @@ def register(family: Family) -> Family:
     return _registry[family.name]
 
 
-def _discover() -> None:
-    """Import the built-in family modules and load the entry-point plug-ins, once."""
-    global _discovered
-    if _discovered:
+def _discover(plug_ins: bool = True) -> None:
+    """Import the built-in family modules, and with plug_ins load the entry points, once each.
+    Entry points are read only when they can matter (listing every family, or a name that no
+    built-in family has): reading every installed distribution's metadata costs a first call
+    tens of milliseconds."""
+    global _built_in, _plugged_in
+    if _built_in and (_plugged_in or not plug_ins):
         return
     with _lock:
-        if _discovered:
-            return
-        for module in pkgutil.iter_modules(__path__):
-            if module.name != "base" and not module.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{module.name}")
-        for point in entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                loaded = point.load()
-                register(loaded() if isinstance(loaded, type) else loaded)
-            except Exception as exc:  # noqa: BLE001 - a broken plug-in must not break autosoft
-                warnings.warn(f"autosoft: family plug-in {point.name!r} ({point.value}) was not loaded: "
-                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
-        _discovered = True
+        if not _built_in:
+            for module in pkgutil.iter_modules(__path__):
+                if module.name != "base" and not module.name.startswith("_"):
+                    importlib.import_module(f"{__name__}.{module.name}")
+            _built_in = True
+        if plug_ins and not _plugged_in:
+            for point in entry_points(group=ENTRY_POINT_GROUP):
+                try:
+                    loaded = point.load()
+                    register(loaded() if isinstance(loaded, type) else loaded)
+                except Exception as exc:  # noqa: BLE001 - a broken plug-in must not break autosoft
+                    warnings.warn(f"autosoft: family plug-in {point.name!r} ({point.value}) was not loaded: "
+                                  f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+            _plugged_in = True
 
 
 def families() -> dict[str, Family]:
@@ -69,7 +74,9 @@ def families() -> dict[str, Family]:
 
 def get_family(name: str) -> Family:
     """The family registered as `name`; UserError listing the known ones otherwise."""
-    _discover()
+    _discover(plug_ins=False)
+    if name not in _registry:
+        _discover()
     try:
         return _registry[name]
     except KeyError:

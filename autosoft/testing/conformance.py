@@ -32,7 +32,7 @@ from ..dtypes import DTYPES
 from ..errors import UserError
 from ..export import kernel_parameters
 from ..families.base import SUPPORTED_ARCHS, Family, Problem, Target, build_variant, space_of, template_root
-from ..render import render
+from ..render import check_references, render
 
 __all__ = [
     "Case",
@@ -96,6 +96,7 @@ def test_declarations_are_complete(conformance_case: Case) -> None:
     source, _, _ = jinja2.FileSystemLoader(template_root(family) or _templates()).get_source(
         jinja2.Environment(), family.template)
     assert source.strip()
+    check_references(family.template, template_root(family))  # the template digest covers every file it reads
 
 
 def _templates() -> str:
