@@ -114,7 +114,7 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
         return empty
     problem = family.problem_for(shapes, dtype, options)
     launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names)
-    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment)
+    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays))
 
 
 class _Framework:
@@ -130,10 +130,11 @@ class _Framework:
     def stream(self, device: int) -> int: ...
 
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
-             align: int) -> Callable[..., tuple[Any, ...]]:
-        """plan(arrays, scalar_values) -> outputs: each input made contiguous and `align`-ed (a copy
-        only where it is not), outputs allocated sharing the first input's address mod 16, one
-        launch on the device's current stream. The generic form; frameworks may specialise it."""
+             align: int, n_arrays: int) -> Callable[..., tuple[Any, ...]]:
+        """plan(arrays, scalar_values) -> outputs, for calls with `n_arrays` input arrays: each input
+        made contiguous and `align`-ed (a copy only where it is not), outputs allocated sharing the
+        first input's address mod 16, one launch on the device's current stream. The generic
+        form; frameworks may specialise it."""
         fix, ptr, empty, stream = self.fix, self.ptr, self.empty, self.stream
 
         def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -160,14 +161,34 @@ class _TorchArrays(_Framework):
         self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
 
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
-             align: int) -> Callable[..., tuple[Any, ...]]:
+             align: int, n_arrays: int) -> Callable[..., tuple[Any, ...]]:
         """The generic plan with the torch calls written out: this is autosoft.softmax's hot path,
         where every call into torch costs a few hundred nanoseconds."""
         torch = self.torch
-        empty, contiguous = torch.empty, torch.contiguous_format
+        empty, empty_like, contiguous = torch.empty, torch.empty_like, torch.contiguous_format
         where = torch.device("cuda", device)
         outs_spec = tuple((shape, self._dtypes[dt]) for shape, dt in specs)
         stream, realign = self.stream, self._realigned
+
+        if n_arrays == 1 and len(outs_spec) == 1 and align == 1:
+            # one array in, one out, any address (softmax): the fewest torch calls per call
+            (out_shape, out_dtype), = outs_spec
+
+            def plan_one(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+                a = arrays[0]
+                if not a.is_contiguous():
+                    a = a.clone(memory_format=contiguous)
+                x = a.data_ptr()
+                out = empty_like(a) if a.dtype == out_dtype and a.shape == out_shape else \
+                    empty(out_shape, dtype=out_dtype, device=where)
+                y = out.data_ptr()
+                if (y - x) % VEC_ALIGN:
+                    out = realign(out, x % VEC_ALIGN)
+                    y = out.data_ptr()
+                launch(x, y, *scalars, stream(device))
+                return (out,)
+
+            return plan_one
 
         def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
             ptrs = []
