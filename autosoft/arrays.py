@@ -113,7 +113,7 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
             return tuple(fw.empty(shape, dt, device, 0) for shape, dt in outputs.values())
         return empty
     problem = family.problem_for(shapes, dtype, options)
-    launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names)
+    launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names, scalar_names)
     return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays))
 
 

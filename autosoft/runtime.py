@@ -96,7 +96,7 @@ class LoadedVariant:
             self._launches.append(_RawLaunch(fn.ptr, launch))
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
-        self._launchers: dict[tuple[str, ...], Callable[..., None]] = {}  # launch_raw's, by buffer names
+        self._launchers: dict[tuple, Callable[..., None]] = {}  # launch_raw's, by (names, scalar names)
 
     def launch(self, buffers: Mapping[str, Any], stream: Any = None) -> None:
         """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar."""
@@ -105,10 +105,10 @@ class LoadedVariant:
         values = {k: (v.data.ptr if isinstance(v, cp.ndarray) else v) for k, v in buffers.items()}
         self.launch_raw(values, stream_ptr)
 
-    def launcher(self, names: tuple[str, ...]) -> Callable[..., None]:
+    def launcher(self, names: tuple[str, ...], scalars: tuple[str, ...] = ()) -> Callable[..., None]:
         """A launch function for a hot path: f(*values, stream_ptr), one value per name, in the
-        order of `names`: a device pointer (int) for a buffer, a numpy scalar for a scalar
-        argument (attention's scale). Every buffer the launches name except "workspace" must be
+        order of `names`: a device pointer (int) for a buffer, a numpy scalar for the names in
+        `scalars` (attention's scale). Every buffer the launches name except "workspace" must be
         in `names`; the workspace is this variant's, per stream.
 
         Argument slots are built once; a call writes the values into them and calls the driver:
@@ -145,7 +145,11 @@ class LoadedVariant:
             # one kernel (softmax's usual case): the driver call with its arguments bound here,
             # pointers written straight into their slots; every other case takes the loop below
             raw, binds = plans[0]
-            slots, set_slot, pointer = raw.slots, raw.set, ctypes.c_void_p
+            set_slot = raw.set
+            # pointer slots keep their c_void_p objects for good: a call writes the address in
+            pointers = tuple((raw.slots[slot], at) for slot, at in binds if at >= 0 and names[at] not in scalars)
+            values = tuple((slot, at) for slot, at in binds if at >= 0 and names[at] in scalars)
+            workspaces = tuple(raw.slots[slot] for slot, at in binds if at < 0)
             launch_kernel = _driver().launchKernel
             function_ptr, params_ptr = raw.function_ptr, raw.params_ptr
             gx, gy, gz, bx, by, bz, smem = raw.geometry
@@ -154,12 +158,12 @@ class LoadedVariant:
                 stream_ptr = args[-1]
                 try:
                     with lock:
-                        for slot, at in binds:
-                            value = args[at] if at >= 0 else workspace(stream_ptr)
-                            if type(value) is int and type(slots[slot]) is pointer:
-                                slots[slot].value = value
-                            else:
-                                set_slot(slot, value)
+                        for slot_object, at in pointers:
+                            slot_object.value = args[at]
+                        for slot, at in values:
+                            set_slot(slot, args[at])
+                        for slot_object in workspaces:
+                            slot_object.value = workspace(stream_ptr)
                         launch_kernel(function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_ptr, 0)
                     return
                 except driver_error as exc:
@@ -186,9 +190,10 @@ class LoadedVariant:
     def launch_raw(self, values: Mapping[str, Any], stream_ptr: int) -> None:
         """Launch with device pointers (ints) and scalars by name, on a raw stream handle."""
         names = tuple(values)
-        launch = self._launchers.get(names)
+        scalars = tuple(name for name, value in values.items() if type(value) is not int)
+        launch = self._launchers.get((names, scalars))
         if launch is None:
-            launch = self._launchers[names] = self.launcher(names)
+            launch = self._launchers[names, scalars] = self.launcher(names, scalars)
         launch(*values.values(), stream_ptr)
 
     def _workspace(self, stream_ptr: int) -> int:
