@@ -452,3 +452,47 @@ def test_list_shows_the_good_rows_and_one_warning_line_for_a_malformed_row(tmp_p
     (line,) = result.stderr.splitlines()
     assert line.startswith("autosoft: warning: cache ") and str(path) in line and "rowid 2" in line
     assert "'2x1000'" in line and "params is not JSON" in line and "Traceback" not in result.stderr
+
+
+# --- a family's own arguments ------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, ok", [("90", True), ("sm_90", True), ("sm_90a", True), ("80", True),
+                                      ("75", False), ("abc", False), ("sm_", False)])
+def test_render_arch_takes_the_architectures_the_templates_support(tmp_path, arch, ok):
+    result = run_cli(["render", "softmax", "--shape", "4x1000", "--arch", arch], tmp_path / "cache")
+    if ok:
+        assert result.returncode == 0, result.stderr
+        assert "constexpr int N = 1000;" in result.stdout
+    else:
+        line = _assert_user_error(result, tmp_path / "cache")
+        assert "arch" in line and ("80" in line or "compute capability" in line)
+
+
+def test_a_broken_constraint_after_param_names_the_defaults_it_meets(tmp_path):
+    result = run_cli(["render", "softmax", "--shape", "4x3", "--param", "vec=4"], tmp_path / "cache")
+    line = _assert_user_error(result, tmp_path / "cache")
+    assert "default's" in line and "row_threads=" in line and "--param" in line
+
+
+def test_render_help_lists_every_parameter_and_its_values(tmp_path):
+    from autosoft.families import get_family
+    from autosoft.families.base import space_of
+
+    result = run_cli(["render", "softmax", "--help"], tmp_path / "cache")
+    assert result.returncode == 0
+    for parameter in space_of(get_family("softmax")).parameters:
+        line = next(l for l in result.stdout.splitlines() if l.split()[:1] == [parameter.name])
+        assert ", ".join(map(str, parameter.values)) in line
+
+
+def test_each_family_brings_its_own_options_and_dtypes(tmp_path):
+    attention = run_cli(["tune", "attention", "--help"], tmp_path / "cache").stdout
+    softmax = run_cli(["tune", "softmax", "--help"], tmp_path / "cache").stdout
+    assert "--causal" in attention and "--causal" not in softmax
+    assert "default bfloat16" in attention and "default float32" in softmax
+    assert "B,H,N,D" in attention and "MxN" in softmax
+    result = run_cli(["render", "attention", "--shape", "1,2,77,64"], tmp_path / "cache")
+    assert result.returncode == 0 and "bf16" in result.stdout.splitlines()[0], "attention defaults to bfloat16"
+    result = run_cli(["render", "softmax", "--shape", "4x8", "--causal"], tmp_path / "cache")
+    line = _assert_user_error(result, tmp_path / "cache")
+    assert "--causal" in line and "autosoft render softmax --help" in line
