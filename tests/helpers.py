@@ -87,15 +87,6 @@ def cuda_tool(name: str) -> str | None:
 
 def sample_points(family: Any, problem: Any, target: Any, k: int, seed: int) -> list[dict[str, Any]]:
     """The default, its seeds and k valid points drawn with a fixed seed, each once."""
-    import random
+    from autosoft.testing.conformance import sample_points
 
-    from autosoft.families.base import space_of
-
-    valid = space_of(family).valid_points(family.problem_values(problem, target))
-    picks = [family.default_params(problem, target), *family.seed_params(problem, target)]
-    picks += random.Random(seed).sample(valid, min(k, len(valid)))
-    unique: list[dict[str, Any]] = []
-    for p in picks:
-        if p not in unique:
-            unique.append(p)
-    return unique
+    return sample_points(family, problem, target, k, seed)

@@ -24,6 +24,20 @@ def no_gpu_allowed(monkeypatch):
     monkeypatch.setattr(dispatch, "device_info", forbidden)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: np.ones((4, 8), dtype=np.float32),
+    lambda: np.ones((4, 8), dtype=np.float16),
+    lambda: np.ones((2, 3, 8), dtype=np.float32)[:, 1],
+    lambda: np.ones(8, dtype=np.int32),
+    lambda: np.zeros((0, 8), dtype=np.float32),
+    lambda: np.float32(1.0),
+    lambda: np.ma.masked_array(np.ones((2, 2), dtype=np.float32)),
+])
+def test_softmax_of_a_numpy_array_is_a_type_error_without_a_device(no_gpu_allowed, make):
+    with pytest.raises(TypeError, match="host"):
+        autosoft.softmax(make())
+
+
 @pytest.mark.parametrize("value, needle", [
     (None, "NoneType"), ([1.0, 2.0], "list"), (1.5, "float"), ("x", "str"), (object(), "object"),
 ])

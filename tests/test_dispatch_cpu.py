@@ -7,14 +7,12 @@ import hashlib
 import math
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 import autosoft
 import autosoft.compile as compiler
 import autosoft.dispatch as dispatch
 import autosoft.kernel_store as kernel_store
-import autosoft.runtime as runtime
 from autosoft.cache import Cache
 from autosoft.compile import CompileResult
 from autosoft.dispatch import Dispatcher, _shape_distance, find_entry
@@ -358,31 +356,3 @@ def test_a_kernel_that_does_not_compile_is_a_runtime_error(loading, monkeypatch)
                         lambda source, arch, name="k": CompileResult(False, b"", "kernel.cu(1): error: bad"))
     with pytest.raises(RuntimeError, match="does not compile: kernel.cu\\(1\\): error: bad"):
         Dispatcher().loaded(Problem("softmax", "float32", (64, 1000)), 0)
-
-
-# --- the public API on a host array -----------------------------------------------------------------
-
-@pytest.fixture
-def no_gpu_allowed(monkeypatch):
-    """Any attempt to reach CuPy or a device fails the test."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the host-array path must not look for a GPU")
-
-    monkeypatch.setattr(runtime, "cupy_module", forbidden)
-    monkeypatch.setattr(runtime, "device_info", forbidden)
-    monkeypatch.setattr(dispatch, "device_info", forbidden)
-
-
-@pytest.mark.parametrize("make", [
-    lambda: np.ones((4, 8), dtype=np.float32),
-    lambda: np.ones((4, 8), dtype=np.float16),
-    lambda: np.ones((2, 3, 8), dtype=np.float32)[:, 1],
-    lambda: np.ones(8, dtype=np.int32),
-    lambda: np.zeros((0, 8), dtype=np.float32),
-    lambda: np.float32(1.0),
-    lambda: np.ma.masked_array(np.ones((2, 2), dtype=np.float32)),
-])
-def test_softmax_of_a_numpy_array_is_a_type_error_without_a_device(no_gpu_allowed, make):
-    with pytest.raises(TypeError, match="host"):
-        autosoft.softmax(make())
-

@@ -35,7 +35,7 @@ from ..families.base import SUPPORTED_ARCHS, Family, Problem, Target, build_vari
 from ..render import check_references, render
 
 __all__ = [
-    "Case",
+    "Case", "sample_points",
     "test_declarations_are_complete", "test_shape_text_round_trips", "test_default_and_seed_params_are_valid",
     "test_variant_names_are_unique_identifiers", "test_rendering_is_strict_and_deterministic",
     "test_launches_agree_with_the_rendered_kernels", "test_verification_shape_compiles_to_the_same_kernel",
@@ -62,10 +62,12 @@ class Case:
         return [self.family.problem(shape, dtype, options) for shape, dtype, options in self.family.examples]
 
 
-def _sample(case: Case, problem: Problem, target: Target, k: int, seed: int) -> list[dict[str, Any]]:
-    family = case.family
-    picks = [family.default_params(problem, target), *family.seed_params(problem, target)[:2]]
-    if case.all_correct:
+def sample_points(family: Family, problem: Problem, target: Target, k: int, seed: int,
+                  seeds: int | None = None) -> list[dict[str, Any]]:
+    """The default, the first `seeds` seed params (all with None) and k valid points drawn with a
+    fixed seed, each once: the variants a test checks."""
+    picks = [family.default_params(problem, target), *family.seed_params(problem, target)[:seeds]]
+    if k:
         valid = space_of(family).valid_points(family.problem_values(problem, target))
         picks += random.Random(seed).sample(valid, min(k, len(valid)))
     unique: list[dict[str, Any]] = []
@@ -73,6 +75,11 @@ def _sample(case: Case, problem: Problem, target: Target, k: int, seed: int) -> 
         if p not in unique:
             unique.append(p)
     return unique
+
+
+def _sample(case: Case, problem: Problem, target: Target, k: int, seed: int) -> list[dict[str, Any]]:
+    """A case's sample: random points only where every valid point must be correct."""
+    return sample_points(case.family, problem, target, k if case.all_correct else 0, seed, seeds=2)
 
 
 # --- CPU tier ------------------------------------------------------------------------------------
