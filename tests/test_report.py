@@ -229,3 +229,28 @@ def test_page_renders_in_headless_chromium(tmp_path):
             browser.close()
     assert errors == []
     assert rendered == expected
+
+
+def test_attention_gets_a_tflops_chart(tmp_path):
+    """A compute-bound family is charted in TFLOP/s against the datasheet peak, not in GB/s."""
+    from autosoft.cache import CacheKey, Entry
+    from autosoft.families.base import Target
+
+    attention = get_family("attention")
+    problem = attention.problem("1,32,8192,64", "bfloat16", {"causal": True})
+    target = Target.for_arch("90")
+    points = [attention.default_params(problem, target), *attention.seed_params(problem, target)][:5]
+    cache = Cache(tmp_path / "a.sqlite")
+    key = CacheKey("attention", "bfloat16", problem.shape_text, "NVIDIA H200", "90", "13.0", "t" * 64, "s" * 64)
+    cache.record_trials([{"family": "attention", "dtype": "bfloat16", "shape": problem.shape_text,
+                          "gpu_name": "NVIDIA H200", "variant_name": attention.variant_name(problem, p), "params": p,
+                          "status": "ok", "time_us": 900.0 - 10 * i, "message": ""} for i, p in enumerate(points)])
+    cache.put(Entry(key, "attention_best", points[-1], "ab" * 32, 850.0, 900.0, None, "-", "0.1.0", 1.0))
+    result = build_report(tmp_path / "r", cache_path=cache.path, bench=[RESULTS / "attention_h200.json"])
+    page = result.index.read_text()
+    assert 'id="tflops"' in page and 'id="bandwidth-' not in page and "datasheet peak" in page
+    check_pngs(tmp_path / "r", ["tflops.png"])
+    (row,) = summary_rows([analyse(load_runs(cache.path)[0])])
+    assert row["tflops"] == pytest.approx(attention.flops(problem) / 850.0 / 1e6) and row["pct_copy"] is None
+    refs = analyse(load_runs(cache.path)[0], read_bench([RESULTS / "attention_h200.json"])).references
+    assert {"flash", "cudnn", "efficient"} <= set(refs)  # matched with the benchmark's causal row
