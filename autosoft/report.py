@@ -627,7 +627,8 @@ def _peak(rows: Sequence[Analysis]) -> tuple[str, float] | None:
 
 # --- matplotlib PNGs ------------------------------------------------------------------------------
 
-def _grid(n: int, title: str, xlabel: str, ylabel: str, ncols: int = 6, w: float = 2.9, h: float = 2.1):
+def _grid(n: int, title: str, xlabel: str, ylabel: str, ncols: int = 6, w: float = 2.9, h: float = 2.1,
+          left: float = 0.75, wspace: float = 0.32):
     import matplotlib.pyplot as plt
 
     ncols = max(1, min(ncols, n))
@@ -635,8 +636,8 @@ def _grid(n: int, title: str, xlabel: str, ylabel: str, ncols: int = 6, w: float
     height = h * nrows + 1.2
     fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, height), squeeze=False)
     # fixed margins in inches (tight_layout would draw the grid twice: seconds for 48 panels)
-    fig.subplots_adjust(left=0.75 / (w * ncols), right=1 - 0.15 / (w * ncols), bottom=0.55 / height,
-                        top=1 - 0.75 / height, wspace=0.32, hspace=0.55)
+    fig.subplots_adjust(left=left / (w * ncols), right=1 - 0.15 / (w * ncols), bottom=0.55 / height,
+                        top=1 - 0.75 / height, wspace=wspace, hspace=0.55)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=12)
@@ -693,7 +694,8 @@ def png_per_problem(kind: str, analyses: Sequence[Analysis], path: Path) -> None
             ax.tick_params(axis="x", rotation=60)
             _small(ax, f"{a.run.shape} {a.run.dtype}")
     elif kind == "importance":
-        fig, axes = _grid(n, "parameter importance (PED-ANOVA over the correct trials)", "importance (sums to 1)", "")
+        fig, axes = _grid(n, "parameter importance (PED-ANOVA over the correct trials)", "importance (sums to 1)", "",
+                          w=3.2, left=0.95, wspace=0.5)  # room for parameter names such as row_threads
         for a, ax in zip(analyses, axes):
             if a.importances:
                 names = list(a.importances)[:6][::-1]
