@@ -91,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
             for q in space_of(family).parameters)
 
     per_family(render, render_args)
+
+    report = sub.add_parser("report", help="plots of what tuning runs found (from stored data; no GPU needed)",
+                            description="Write DIR/index.html (self-contained) and a PNG per figure from a tuned "
+                                        "cache and/or an Optuna storage. For live viewing of a study: "
+                                        "optuna-dashboard sqlite:///<cache stem>-studies.sqlite")
+    cache_arg(report)
+    report.add_argument("--storage", default=None, metavar="URL",
+                        help="Optuna storage for per-trial data: sqlite:///FILE (the cache's entries are read from "
+                             "the <stem>.sqlite beside a <stem>-studies.sqlite unless --cache says otherwise), "
+                             "postgresql://..., or a journal file (journal:///FILE or a path ending .log)")
+    report.add_argument("--family", action="append", default=[], help="only this family (repeatable)")
+    report.add_argument("--shape", action="append", default=[], help="only this shape, as `autosoft list` "
+                                                                      "writes it (repeatable)")
+    report.add_argument("--dtype", action="append", default=[], help="only this dtype (repeatable)")
+    report.add_argument("--bench", action="append", default=[], type=user_path, metavar="FILE",
+                        help="benchmark JSON (benchmarks/results/*.json) whose torch/Triton figures join the charts")
+    report.add_argument("-o", "--output", type=user_path, required=True, metavar="DIR",
+                        help="folder to write index.html and the PNGs into (created)")
+    report.add_argument("--open", action="store_true", help="print the path of index.html (starts nothing)")
     return parser
 
 
@@ -124,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra:  # argparse would blame the top-level parser; name the command that was meant
                 where = " ".join(w for w in ("autosoft", args.command, getattr(args, "family", None)) if w)
                 raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `{where} --help`)")
-            code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render}[args.command](args)
+            code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render,
+                    "report": cmd_report}[args.command](args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a reader that went away shows here, where it is caught, not at exit
             return code
@@ -271,6 +291,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     variant = build_variant(family, problem, entry.params, target)
     write_atomically(args.output, standalone_source(variant, entry))
     print(f"wrote {args.output} ({variant.name}, {entry.time_us:.2f} us on {entry.key.gpu_name})")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import build_report
+
+    result = build_report(args.output, cache_path=args.cache, storage_url=args.storage, families=args.family,
+                          shapes=args.shape, dtypes=args.dtype, bench=args.bench)
+    if args.open:
+        print(result.index.resolve())
+        return 0
+    print(f"wrote {result.index} and {len(result.pngs)} PNGs for {result.problems} problems "
+          f"in {result.seconds:.1f} s")
     return 0
 
 
