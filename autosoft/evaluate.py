@@ -28,6 +28,8 @@ class Outcome:
     status: Status
     time_us: float | None = None
     message: str = ""
+    compile_s: float | None = None   # wall seconds NVRTC took for it, where the runner measured them
+    evaluate_s: float | None = None  # wall seconds of loading, verifying and timing it
 
     @property
     def ok(self) -> bool:

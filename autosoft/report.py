@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .cache import Cache, Entry, default_cache_path
 from .errors import UserError, one_line

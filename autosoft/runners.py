@@ -24,7 +24,8 @@ import concurrent.futures as cf
 import json
 import multiprocessing as mp
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -150,6 +151,13 @@ def compile_pool(workers: int) -> cf.ProcessPoolExecutor:
     return pool
 
 
+def timed_compile(source: str, arch: str) -> tuple[CompileResult, float]:
+    """compile_source and the wall seconds it took (run in the pool: the compile alone)."""
+    start = time.perf_counter()
+    result = compile_source(source, arch)
+    return result, time.perf_counter() - start
+
+
 def default_compile_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
@@ -189,17 +197,20 @@ class GpuRunner(Runner):
         return self._pool
 
     def submit(self, family: Family, variant: Variant, seed: int, timeout_s: float) -> Pending:
-        compiling = self.pool.submit(compile_source, variant.source, variant.target.arch)
-        return Pending(lambda: self._run(family, variant, compiling.result(), seed, timeout_s), compiling.cancel)
+        compiling = self.pool.submit(timed_compile, variant.source, variant.target.arch)
+        return Pending(lambda: self._run(family, variant, *compiling.result(), seed, timeout_s), compiling.cancel)
 
     def evaluate(self, family: Family, variant: Variant, seed: int, timeout_s: float) -> Outcome:
         return self.submit(family, variant, seed, timeout_s).result()
 
-    def _run(self, family: Family, variant: Variant, compiled: CompileResult, seed: int, timeout_s: float) -> Outcome:
+    def _run(self, family: Family, variant: Variant, compiled: CompileResult, compile_s: float, seed: int,
+             timeout_s: float) -> Outcome:
         if not compiled.ok:
             first = next((line for line in compiled.log.splitlines() if "error" in line), compiled.log.strip()[:200])
-            return Outcome(Status.COMPILE_FAIL, message=first)
-        return self._worker.evaluate(family, variant, compiled.cubin, seed, timeout_s)
+            return Outcome(Status.COMPILE_FAIL, message=first, compile_s=compile_s)
+        start = time.perf_counter()
+        outcome = self._worker.evaluate(family, variant, compiled.cubin, seed, timeout_s)
+        return replace(outcome, compile_s=compile_s, evaluate_s=time.perf_counter() - start)
 
     def time_side_by_side(self, family: Family, variants: Sequence[Variant], timeout_s: float) -> list[float] | None:
         compiled = list(self.pool.map(compile_source, [v.source for v in variants], [v.target.arch for v in variants]))

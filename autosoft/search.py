@@ -80,13 +80,15 @@ class Search:
         if row is not None:
             self._tried[row] = True
 
-    def tell(self, params: Mapping[str, ParamValue], time_us: float | None, status: str) -> None:
-        """Record a measured point: its time when correct, a failure otherwise."""
+    def tell(self, params: Mapping[str, ParamValue], time_us: float | None, status: str,
+             attrs: Mapping[str, float | str] | None = None) -> None:
+        """Record a measured point: its time when correct, a failure otherwise; `attrs` (e.g.
+        compile_s, evaluate_s) are kept with it as the trial's user attributes."""
         state = TrialState.COMPLETE if time_us is not None else TrialState.FAIL
         self.study.add_trial(optuna.trial.create_trial(
             params=dict(params), distributions=self._distributions,
             value=time_us if time_us is not None else None, state=state,
-            user_attrs={"status": status}))
+            user_attrs={**(attrs or {}), "status": status}))
 
     def finished(self) -> list[tuple[dict[str, ParamValue], float | None, str]]:
         out = []

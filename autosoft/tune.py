@@ -229,7 +229,9 @@ class Ledger:
             self.default = m
 
     def record(self, m: Measured) -> None:
-        self._search.tell(m.variant.params, m.outcome.time_us, m.outcome.status.value)
+        spent = {name: getattr(m.outcome, name) for name in ("compile_s", "evaluate_s")
+                 if getattr(m.outcome, name) is not None}  # what `autosoft report` draws against each other
+        self._search.tell(m.variant.params, m.outcome.time_us, m.outcome.status.value, spent)
         self._cache.record_trials([trial_row(self._problem, self._device, m)])
         self._track(m)
         if self._progress:

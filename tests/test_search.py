@@ -242,6 +242,15 @@ def _check_tune_loop(tune_module, runner, device, evaluated, slow_down, side_by_
     report = tune_module.tune("softmax", problem, 14, cache, seed=1, runner=runner)
     store = KernelStore()  # $AUTOSOFT_KERNEL_STORE, set by the test
     assert store.get(report.best.variant.digest), "the winner's cubin is kept for the first call after the tune"
+    import optuna
+
+    from autosoft.tune import study_storage
+
+    (summary,) = optuna.get_all_study_summaries(study_storage(cache))
+    study = optuna.load_study(study_name=summary.study_name, storage=study_storage(cache))
+    attrs = [t.user_attrs for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))]
+    assert attrs and all(a["compile_s"] > 0 and a["evaluate_s"] >= 0 and a["status"] == "ok" for a in attrs), \
+        "each measured trial keeps the seconds spent compiling and evaluating it (autosoft report draws them)"
 
     assert len(report.trials) == 14 and len(evaluated) == 14
     default = family.default_params(problem, device.target)
