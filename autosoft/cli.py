@@ -210,14 +210,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     rows.append(("default", report.default.variant.name, d.time_us if d.ok else None))
     rows.append(("copy", "device-to-device copy of the same bytes", report.copy_time_us))
     flops = family.flops(problem)
+    peak = report.peak_tflops
     if flops:  # compute-bound: the rate, not the bandwidth, is what matters
         rows = rows[:-1]
-    print(f"{'':8} {'variant':58} {'time (us)':>10} " + (f"{'TFLOP/s':>9}" if flops else f"{'GB/s':>9} {'% of copy':>10}"))
+        if peak:
+            print(f"peak: a dense float16 matrix product on this GPU runs at {peak:.0f} TFLOP/s")
+    print(f"{'':8} {'variant':58} {'time (us)':>10} "
+          + (f"{'TFLOP/s':>9} {'% of peak':>10}" if flops else f"{'GB/s':>9} {'% of copy':>10}"))
     for label, name, t in rows:
         if t is None:
             print(f"{label:8} {name:58} {'failed: ' + d.status.value:>31}")
         elif flops:
-            print(f"{label:8} {name:58} {t:10.2f} {flops / (t * 1e-6) / 1e12:9.1f}")
+            rate = flops / (t * 1e-6) / 1e12
+            print(f"{label:8} {name:58} {t:10.2f} {rate:9.1f} " + (f"{100 * rate / peak:9.1f}%" if peak else f"{'-':>10}"))
         else:
             gbps = nbytes / (t * 1e-6) / 1e9
             print(f"{label:8} {name:58} {t:10.2f} {gbps:9.1f} {100 * report.copy_time_us / t:9.1f}%")

@@ -42,8 +42,9 @@ STATUS_COLORS = {"ok": "#2ca02c", "compile_fail": "#ff7f0e", "launch_fail": "#d6
                  "wrong": "#8c564b", "invalid": "#7f7f7f"}
 MIN_IMPORTANCE_TRIALS = 4  # PED-ANOVA compares the best quantile with the rest: below this it says nothing
 TOP_PARAMS = 3
-# Dense fp16/bf16 tensor-core peak from the datasheet (TFLOP/s): no tune measures a peak, and an
-# attention kernel is judged against this. Matched on the GPU name; absent for other GPUs.
+# Dense fp16/bf16 tensor-core peak from the datasheet (TFLOP/s), matched on the GPU name: the bound
+# drawn for compute-bound problems whose studies carry no measured peak (a tune measures one, a
+# dense float16 matrix product on its GPU, and keeps it as the study's "peak_tflops").
 DATASHEET_PEAK_TFLOPS = {"H200": 989.4, "H100 80GB HBM3": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0,
                          "A100": 312.0}
 REF_COLORS = ("#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")  # never the autosoft bars' blue
@@ -74,6 +75,7 @@ class ProblemRun:
     trials: tuple[Trial, ...]
     entry: Entry | None
     cc: str | None = None
+    peak_tflops: float | None = None  # measured in the tune (study user attribute), compute-bound only
 
     @property
     def label(self) -> str:
@@ -221,13 +223,13 @@ def _cache_trials(cache: Cache) -> dict[tuple[str, str, str, str], list[Trial]]:
     return by_problem
 
 
-def _study_trials(storage: Any, messages: Mapping[tuple, str]) -> dict[tuple, tuple[list[Trial], str, str]]:
+def _study_trials(storage: Any, messages: Mapping[tuple, str]) -> dict[tuple, tuple[list[Trial], str, str, float | None]]:
     """Each autosoft study's finished trials (the pruned ones are the sampler's raw suggestions,
     never measured), keyed like the cache's trial log, with compute capability and NVRTC version."""
     import optuna
     from optuna.trial import TrialState
 
-    out: dict[tuple, tuple[list[Trial], str, str]] = {}
+    out: dict[tuple, tuple[list[Trial], str, str, float | None]] = {}
     try:
         summaries = storage.get_all_studies()
     except Exception as exc:  # noqa: BLE001
@@ -249,7 +251,7 @@ def _study_trials(storage: Any, messages: Mapping[tuple, str]) -> dict[tuple, tu
                                 _number(t.user_attrs.get("compile_s")), _number(t.user_attrs.get("evaluate_s"))))
         key = (family, dtype, shape, gpu)
         if trials and (key not in out or len(trials) > len(out[key][0])):
-            out[key] = (trials, cc, nvrtc)
+            out[key] = (trials, cc, nvrtc, _number(study.user_attrs.get("peak_tflops")))
     return out
 
 
@@ -282,28 +284,28 @@ def load_runs(cache_path: Path | None = None, storage_url: str | None = None, *,
     for e in sorted(entries, key=lambda e: e.created):
         newest[(e.key.family, e.key.dtype, e.key.shape, e.key.gpu_name)] = e
 
-    keys: dict[tuple, tuple[list[Trial], str | None]] = {}
+    keys: dict[tuple, tuple[list[Trial], str | None, float | None]] = {}
     if storage_url:
         messages = {(*k, json.dumps(dict(t.params), sort_keys=True)): t.message
                     for k, ts in cache_trials.items() for t in ts if t.message}
-        for key, (trials, cc, _nvrtc) in _study_trials(open_storage(storage_url), messages).items():
-            keys[key] = (trials, cc)
+        for key, (trials, cc, _nvrtc, peak) in _study_trials(open_storage(storage_url), messages).items():
+            keys[key] = (trials, cc, peak)
     else:
         for key, trials in cache_trials.items():
-            keys[key] = (trials, None)
+            keys[key] = (trials, None, None)
     for key in newest:
-        keys.setdefault(key, ([], None))
+        keys.setdefault(key, ([], None, None))
     if not keys:
         where = storage_url or str(cache_path)
         raise UserError(f"{where}: holds no tuned problem (no entries and no trials); run autosoft tune first")
 
     runs = []
-    for (family, dtype, shape, gpu), (trials, cc) in keys.items():
+    for (family, dtype, shape, gpu), (trials, cc, peak) in keys.items():
         if (families and family not in families) or (shapes and shape not in shapes) or (dtypes and dtype not in dtypes):
             continue
         entry = newest.get((family, dtype, shape, gpu))
         runs.append(ProblemRun(family, dtype, shape, gpu, tuple(trials), entry,
-                               cc or (entry.key.compute_capability if entry else None)))
+                               cc or (entry.key.compute_capability if entry else None), peak))
     if not runs:
         asked = " ".join([*(f"--family {f}" for f in families), *(f"--shape {s}" for s in shapes),
                           *(f"--dtype {d}" for d in dtypes)])
@@ -609,19 +611,24 @@ def fig_tflops(analyses: Sequence[Analysis]) -> dict[str, Any]:
     peak = _peak(rows)
     if peak:
         data.append({"type": "scatter", "mode": "lines", "x": [labels[0], labels[-1]], "y": [peak[1]] * 2,
-                     "name": f"{peak[0]} datasheet peak {peak[1]:g}", "line": {"dash": "dash", "color": "black"}})
+                     "name": f"{peak[0]} {peak[1]:.0f}", "line": {"dash": "dash", "color": "black"}})
     return {"data": data, "layout": _layout("compute-bound families: achieved TFLOP/s", "problem", "TFLOP/s",
                                             width=1100, height=420, legend={"orientation": "h", "y": 1.12})}
 
 
 def _peak(rows: Sequence[Analysis]) -> tuple[str, float] | None:
+    """(label, TFLOP/s) of the bound for these problems: the peak their tunes measured on their
+    GPU (the median, where several did), else the datasheet's for that GPU; None across GPUs."""
     gpus = {a.run.gpu for a in rows}
     if len(gpus) != 1:
         return None
     gpu = gpus.pop()
+    measured = sorted(a.run.peak_tflops for a in rows if a.run.peak_tflops is not None)
+    if measured:
+        return f"{gpu} measured peak (dense float16 GEMM in the tunes)", measured[len(measured) // 2]
     for name, value in DATASHEET_PEAK_TFLOPS.items():
         if name in gpu:
-            return gpu, value
+            return f"{gpu} datasheet peak", value
     return None
 
 
@@ -796,7 +803,7 @@ def png_tflops(analyses: Sequence[Analysis], path: Path) -> None:
                    edgecolors="black", linewidths=0.5, label=f"{name} (benchmark)", zorder=3)
     peak = _peak(rows)
     if peak:
-        ax.axhline(peak[1], color="black", ls="--", lw=1, label=f"datasheet peak {peak[1]:g} TFLOP/s")
+        ax.axhline(peak[1], color="black", ls="--", lw=1, label=f"{peak[0]} {peak[1]:.0f} TFLOP/s")
     ax.set_xticks(list(xs), [f"{a.run.shape} {a.run.dtype}" for a in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s")
     ax.set_title("compute-bound families: achieved TFLOP/s", fontsize=10)
@@ -881,7 +888,7 @@ def render_page(analyses: Sequence[Analysis], source: str, pngs: Sequence[str]) 
     if compute:
         parts.append(_div(fig_tflops(compute), "tflops"))
         if not _peak(compute):
-            parts.append("<p class=note>no datasheet peak known for this GPU; the chart shows achieved TFLOP/s "
+            parts.append("<p class=note>no measured or datasheet peak known for this GPU; the chart shows achieved TFLOP/s "
                          "and the benchmark's figures only</p>")
     if not memory and not compute:
         parts.append("<p class=note>no problem of a known family: no bandwidth or TFLOP/s chart</p>")

@@ -122,6 +122,12 @@ class Runner(abc.ABC):
         as a kernel is (the bandwidth bound a kernel is compared with). Raises RuntimeError when
         it cannot be had."""
 
+    def peak_tflops(self) -> float | None:
+        """The GPU's measured tensor-core rate in TFLOP/s (a dense float16 matrix product timed
+        as a kernel is): the bound a compute-bound family is compared with. None where the
+        runner cannot measure it (the default)."""
+        return None
+
     def keep(self, variant: Variant) -> None:
         """The tune's winner: make its compiled kernel ready for dispatch on this machine (the
         kernel store), so the first call after a tune loads it without NVRTC. Default: nothing."""
@@ -220,6 +226,9 @@ class GpuRunner(Runner):
 
     def time_copy(self, nbytes_each_way: int) -> float:
         return self._worker.time_copy(nbytes_each_way, self.device.target.l2_bytes)
+
+    def peak_tflops(self) -> float | None:
+        return self._worker.matmul_tflops()
 
     def keep(self, variant: Variant) -> None:
         from .kernel_store import default_store

@@ -90,6 +90,10 @@ class Search:
             value=time_us if time_us is not None else None, state=state,
             user_attrs={**(attrs or {}), "status": status}))
 
+    def note(self, name: str, value: float | str) -> None:
+        """Keep a fact about the whole study with it (e.g. the GPU's measured peak)."""
+        self.study.set_user_attr(name, value)
+
     def finished(self) -> list[tuple[dict[str, ParamValue], float | None, str]]:
         out = []
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):

@@ -99,3 +99,16 @@ def time_copy(nbytes_each_way: int, l2_bytes: int, reps: int = 40) -> Timing:
                                     cp.cuda.runtime.memcpyDeviceToDevice, 0)
 
     return time_gpu(run, n_sets, reps)
+
+
+def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
+    """The tensor-core rate of this GPU as a compute-bound kernel meets it: a dense n x n x n
+    float16 matrix product (cuBLAS, fp32 accumulation) on random data, timed like a kernel,
+    in TFLOP/s. The bound a compute-bound family is compared with, as the copy is for a
+    memory-bound one."""
+    cp = cupy_module()
+    a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    c = cp.empty((n, n), dtype=cp.float16)
+    timing = time_gpu(lambda i: cp.matmul(a, b, out=c), 1, reps)
+    return 2.0 * n ** 3 / (timing.median_us * 1e-6) / 1e12

@@ -58,6 +58,7 @@ class TuneReport:
     seconds: float = 0.0
     worker_restarts: int = 0
     stored: bool = False
+    peak_tflops: float | None = None  # compute-bound families: the GPU's measured tensor-core rate
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -116,6 +117,9 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, r
         run_trials(family, problem, target, runner, search, ledger, trials, seed, timeout_s)
         best = confirm_best(family, runner, ledger.measured, timeout_s) or ledger.best
         copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
+        peak = runner.peak_tflops() if family.flops(problem) else None
+        if peak is not None:  # kept with the study: `autosoft report --storage` draws the bound
+            search.note("peak_tflops", peak)
         restarts = runner.restarts - restarts_before
         stored = best is not None and store_entry(cache, family, problem, device, best, default, copy_us)
         if stored:
@@ -125,7 +129,7 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, r
             runner.close()
 
     report = TuneReport(problem, device, best, default, copy_us, ledger.measured, ledger.resumed,
-                        worker_restarts=restarts, stored=stored)
+                        worker_restarts=restarts, stored=stored, peak_tflops=peak)
     report.seconds = time.perf_counter() - start
     return report
 

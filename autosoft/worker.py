@@ -92,6 +92,12 @@ class GpuWorker:
             raise RuntimeError(f"timing the reference copy failed: {reply}")
         return reply
 
+    def matmul_tflops(self, timeout_s: float = 120.0) -> float:
+        ok, reply = self._call(("matmul",), timeout_s)
+        if not ok or isinstance(reply, Exception):
+            raise RuntimeError(f"timing the reference matrix product failed: {reply}")
+        return reply
+
     def restart(self) -> None:
         self.stop()
         self.restarts += 1
@@ -116,7 +122,7 @@ def _serve(conn: Any) -> None:
     try:
         from .evaluate import evaluate, time_side_by_side
         from .runtime import LoadedVariant, cupy_module
-        from .timing import time_copy
+        from .timing import matmul_tflops, time_copy
 
         cupy_module().cuda.runtime.free(0)  # create the context now, not inside the first timeout
         conn.send("ready")
@@ -138,6 +144,8 @@ def _serve(conn: Any) -> None:
                 conn.send(time_side_by_side(family, [LoadedVariant(v, cubin) for v, cubin in compiled]))
             elif kind == "copy":
                 conn.send(time_copy(request[1], request[2]).median_us)
+            elif kind == "matmul":
+                conn.send(matmul_tflops())
         except Exception as exc:  # noqa: BLE001 - anything else is this candidate's launch failure
             conn.send(Outcome(Status.LAUNCH_FAIL, message=f"{type(exc).__name__}: {one_line(exc)}")
                       if kind == "evaluate" else exc)

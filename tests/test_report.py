@@ -254,3 +254,42 @@ def test_attention_gets_a_tflops_chart(tmp_path):
     assert row["tflops"] == pytest.approx(attention.flops(problem) / 850.0 / 1e6) and row["pct_copy"] is None
     refs = analyse(load_runs(cache.path)[0], read_bench([RESULTS / "attention_h200.json"])).references
     assert {"flash", "cudnn", "efficient"} <= set(refs)  # matched with the benchmark's causal row
+
+
+def test_a_tune_keeps_its_measured_peak_and_the_report_draws_it(tmp_path):
+    """A compute-bound tune measures the GPU's tensor-core rate (the runner's peak_tflops) and
+    keeps it with its study, with each trial's compile and evaluate seconds; the report, read
+    from that storage, draws the measured peak instead of the datasheet's and the time split."""
+    from autosoft.evaluate import Outcome, Status
+    from autosoft.families.base import Target
+    from autosoft.runners import Runner
+    from autosoft.runtime import DeviceInfo
+
+    class Measured(Runner):
+        device = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
+
+        def evaluate(self, family, variant, seed, timeout_s):
+            time_us = 900.0 + (sum(map(ord, variant.name)) % 97)
+            return Outcome(Status.OK, time_us, compile_s=0.8, evaluate_s=0.3)
+
+        def time_side_by_side(self, family, variants, timeout_s):
+            return None
+
+        def time_copy(self, nbytes_each_way):
+            return 100.0
+
+        def peak_tflops(self):
+            return 777.0
+
+    attention = get_family("attention")
+    problem = attention.problem("1,32,4096,64", "bfloat16", {"causal": True})
+    cache = Cache(tmp_path / "k.sqlite")
+    report = tune(attention, problem, 6, cache, runner=Measured(), seed=0)
+    assert report.peak_tflops == 777.0 and report.stored
+    result = build_report(tmp_path / "r", cache_path=cache.path, storage_url=study_storage(cache))
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "measured peak" in page and "777" in page and "datasheet peak" not in page
+    (run,) = load_runs(cache.path, study_storage(cache))
+    assert run.peak_tflops == 777.0
+    assert all(t.compile_s == 0.8 and t.evaluate_s == 0.3 for t in run.trials)
+    assert "tflops" in {p.stem for p in result.pngs}
