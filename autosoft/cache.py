@@ -100,6 +100,19 @@ def default_cache_path() -> Path:
     return folder / CACHE_FILE
 
 
+STORE_ENV = "AUTOSOFT_KERNEL_STORE"
+
+
+def default_store_folder() -> Path:
+    """Where compiled kernels are kept (kernel_store.py): $AUTOSOFT_KERNEL_STORE, else `kernels/`
+    beside default_cache_path(). Here, beside the cache's own path, so that every module finds
+    the stores the same way."""
+    folder = os.environ.get(STORE_ENV)
+    if folder:
+        return Path(folder).expanduser()
+    return default_cache_path().parent / "kernels"
+
+
 class Cache:
     """A cache file. Opening validates it; a bad file raises UserError and is left untouched."""
 

@@ -33,15 +33,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import compile as compiler
+from .cache import STORE_ENV, default_store_folder
 from .errors import UserError
 
 if TYPE_CHECKING:
     from .families.base import Target, Variant
 
-STORE_ENV = "AUTOSOFT_KERNEL_STORE"
 BYTES_ENV = "AUTOSOFT_KERNEL_STORE_BYTES"
 DEFAULT_MAX_BYTES = 1 << 30
-STORE_FOLDER = "kernels"
 
 _MAGIC = b"autosoft-cubin1\n"   # 16 bytes; a new layout gets a new magic and old files become misses
 _DIGEST_LEN = 64                 # hex sha256
@@ -237,16 +236,6 @@ class KernelStore:
                     _remove(tmp)
             except OSError:
                 continue
-
-
-def default_store_folder() -> Path:
-    """$AUTOSOFT_KERNEL_STORE, else `kernels/` beside default_cache_path()."""
-    folder = os.environ.get(STORE_ENV)
-    if folder:
-        return Path(folder).expanduser()
-    from .cache import default_cache_path
-
-    return default_cache_path().parent / STORE_FOLDER
 
 
 def default_max_bytes() -> int:

@@ -58,8 +58,8 @@ class _QuietBytecodeCache(jinja2.FileSystemBytecodeCache):
 
 
 def _bytecode_cache() -> jinja2.BytecodeCache | None:
+    from .cache import default_store_folder
     from .errors import UserError
-    from .kernel_store import default_store_folder
 
     try:
         return _QuietBytecodeCache(str(default_store_folder() / "templates"))
