@@ -53,17 +53,12 @@ _KEY_FIELDS = ("family", "dtype", "shape", "gpu_name", "compute_capability", "cu
 class CacheKey:
     family: str
     dtype: str
-    shape: str            # "4096x8192"
+    shape: str            # Problem.shape_text: "4096x8192", "1x32x8192x64+causal"
     gpu_name: str
     compute_capability: str
     cuda_version: str
     template_digest: str
     space_digest: str
-
-    def same_except_shape(self, other: "CacheKey") -> bool:
-        mine, theirs = asdict(self), asdict(other)
-        mine.pop("shape"), theirs.pop("shape")
-        return mine == theirs
 
 
 @dataclass(frozen=True)

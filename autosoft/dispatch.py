@@ -60,8 +60,9 @@ class Dispatcher:
         self._extra_files: list[Path] = []
         self._entries: list[Entry] | None = None
         self._loaded: dict[tuple, LoadedVariant] = {}
-        # the API's hot path: (array dtype, shape, device) -> launch(x_ptr, y_ptr, stream_ptr)
-        self.fast: dict[tuple, Callable[..., None]] = {}
+        # the API's hot path (arrays.call_family): (family, options, scalar names, each array's
+        # dtype, shape and device) -> the call's prepared plan
+        self.fast: dict[tuple, Callable[..., tuple]] = {}
 
     # -- cache files --------------------------------------------------------------------
     def load_cache(self, path: str | Path) -> int:

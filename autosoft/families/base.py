@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 from ..compile import source_digest
-from ..dtypes import DTYPES, ITEMSIZE, check_dtype as _check_dtype
+from ..dtypes import DTYPES, ITEMSIZE, check_dtype
 from ..errors import UserError
 from ..render import render, template_digest
 from ..space import ParamValue, SearchSpace, load_space
@@ -204,7 +204,7 @@ class Family(abc.ABC):
                 options: Mapping[str, OptionValue] | Iterable[str] = ()) -> Problem:
         """A checked Problem. `options` is a name -> value mapping, or an iterable of flag names;
         unknown options, a missing required one or a dtype outside `dtypes` raise UserError."""
-        dtype = _check_dtype(self.default_dtype if dtype is None else dtype, self.dtypes, self.name)
+        dtype = check_dtype(self.default_dtype if dtype is None else dtype, self.dtypes, self.name)
         return Problem(self.name, dtype, self.parse_shape(shape_text), self.check_options(options))
 
     def check_options(self, options: Mapping[str, OptionValue] | Iterable[str]) -> tuple[tuple[str, OptionValue], ...]:
@@ -416,8 +416,3 @@ def valid_neighbours(family: Family, problem: Problem, target: Target, base: Map
 
 def family_template_digest(family: Family) -> str:
     return template_digest(family.template, template_root(family))
-
-
-def check_dtype(dtype: str) -> str:
-    """Kept for callers of the earlier interface: a dtype of autosoft.dtypes.DTYPES."""
-    return _check_dtype(dtype)
