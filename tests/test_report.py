@@ -293,3 +293,28 @@ def test_a_tune_keeps_its_measured_peak_and_the_report_draws_it(tmp_path):
     assert run.peak_tflops == 777.0
     assert all(t.compile_s == 0.8 and t.evaluate_s == 0.3 for t in run.trials)
     assert "tflops" in {p.stem for p in result.pngs}
+
+
+def test_report_of_a_journal_file_storage(replayed, tmp_path):
+    """The same study copied into Optuna's journal file storage (the storage for several processes
+    of one host) reads back the same trials, named either way."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    cache, tuned = replayed
+    (summary,) = optuna.get_all_study_summaries(study_storage(cache))
+    journal = tmp_path / "studies.log"
+    optuna.copy_study(from_study_name=summary.study_name, from_storage=study_storage(cache),
+                      to_storage=JournalStorage(JournalFileBackend(str(journal))))
+    for url in (f"journal:///{journal}", str(journal)):
+        (run,) = load_runs(cache.path, url)
+        assert [t.params for t in run.trials] == [dict(m.variant.params) for m in tuned.trials]
+    out = tmp_path / "r"
+    proc = run_cli(["report", "--cache", str(cache.path), "--storage", str(journal), "-o", str(out)], tmp_path / "c")
+    assert proc.returncode == 0, proc.stderr
+    assert sections((out / "index.html").read_text()) == 1
+    bad = tmp_path / "bad.log"
+    bad.write_text("not a journal\n")
+    _one_line_error(run_cli(["report", "--storage", str(bad), "-o", str(tmp_path / "r2")], tmp_path / "c"),
+                    tmp_path / "r2", "bad.log")
