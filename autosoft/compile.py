@@ -38,10 +38,11 @@ def arch_option(arch: str) -> str:
     return f"--gpu-architecture=sm_{arch}"
 
 
-def source_digest(source: str, arch: str) -> str:
-    """Hash of what the compiler sees: source, options, target and compiler version."""
+def source_digest(source: str, arch: str, nvrtc: str | None = None) -> str:
+    """Hash of what the compiler sees: source, options, target and compiler version (this
+    machine's NVRTC, or `nvrtc` to recompute an entry's digest as another machine wrote it)."""
     h = hashlib.sha256()
-    for part in (source, " ".join(COMPILE_OPTIONS), arch, nvrtc_version()):
+    for part in (source, " ".join(COMPILE_OPTIONS), arch, nvrtc or nvrtc_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()

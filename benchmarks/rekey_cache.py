@@ -14,7 +14,6 @@ modified; the output is a new file.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sqlite3
 import sys
 from contextlib import closing
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autosoft.cache import Cache  # noqa: E402
-from autosoft.compile import COMPILE_OPTIONS  # noqa: E402
+from autosoft.compile import source_digest  # noqa: E402
 from autosoft.errors import UserError  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
 from autosoft.families.base import Target, build_variant, family_template_digest, space_of  # noqa: E402
@@ -32,15 +31,6 @@ from autosoft.families.base import Target, build_variant, family_template_digest
 # The device properties a tuned entry's GPU had, where the source depends on them (shared-memory
 # limit, SM count); GPUs not listed render with Target.for_arch.
 KNOWN_GPUS = {"NVIDIA H200": Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024)}
-
-
-def digest_with(source: str, arch: str, nvrtc: str) -> str:
-    """compile.source_digest, with the NVRTC version of the entry instead of this machine's."""
-    h = hashlib.sha256()
-    for part in (source, " ".join(COMPILE_OPTIONS), arch, nvrtc):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def main() -> int:
@@ -63,7 +53,7 @@ def main() -> int:
         except UserError as exc:
             dropped.append(f"{entry.key.shape} {entry.key.dtype}: {exc}")
             continue
-        if digest_with(variant.source, target.arch, entry.key.cuda_version) != entry.source_digest:
+        if source_digest(variant.source, target.arch, entry.key.cuda_version) != entry.source_digest:
             dropped.append(f"{entry.key.shape} {entry.key.dtype}: {entry.variant_name} renders to another source")
             continue
         key = replace(entry.key, template_digest=family_template_digest(family), space_digest=space_of(family).digest)
