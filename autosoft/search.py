@@ -8,12 +8,14 @@ study as the trial that was measured, so the sampler learns only from real measu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+import uuid
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import optuna
 from optuna.distributions import CategoricalDistribution
-from optuna.trial import TrialState
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import FrozenTrial, TrialState
 
 from .space import ParamValue, SearchSpace
 
@@ -24,12 +26,21 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 class Proposal:
     params: dict[str, ParamValue]
     seeded: bool  # one of the family's seeds rather than a sampler suggestion
+    retry_of: int | None = None  # the number of a dead worker's trial of this point, taken up again
 
 
 class Search:
+    """The points of one problem's study to evaluate, in order: trials a dead worker left (taken
+    up again), then the seeds, then the sampler's suggestions repaired to untried valid points.
+
+    worker: the id this process's claims carry (a fresh one by default); is_live(worker id):
+    whether another worker is alive (default: none is, so a RUNNING trial left by an earlier,
+    interrupted run is taken up again)."""
+
     def __init__(self, space: SearchSpace, valid: Sequence[Mapping[str, ParamValue]], *,
                  seeds: Sequence[Mapping[str, ParamValue]] = (), seed: int = 0,
-                 storage: str | None = None, study_name: str | None = None, n_startup: int = 12):
+                 storage: Any = None, study_name: str | None = None, n_startup: int = 12,
+                 worker: str | None = None, is_live: Callable[[str], bool] | None = None):
         if not valid:
             raise ValueError("the search space has no valid point for this problem")
         self.space = space
@@ -41,29 +52,87 @@ class Search:
         self._row = {self._key(v): i for i, v in enumerate(self._valid)}
         self._tried = np.zeros(len(valid), dtype=bool)
         self._distributions = {n: CategoricalDistribution(list(space.parameter(n).values)) for n in self._names}
+        self.worker = worker or uuid.uuid4().hex
+        self._is_live = is_live or (lambda other: False)
+        self._storage = optuna.storages.get_storage(storage)
         sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup, multivariate=True)
-        self.study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
+        self.study = optuna.create_study(direction="minimize", sampler=sampler, storage=self._storage,
                                          study_name=study_name, load_if_exists=storage is not None)
+        self._study_id = self._storage.get_study_id_from_name(self.study.study_name)
         self._pending_seeds = [dict(s) for s in seeds if self._key(s) in self._row]
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
-            if t.params and self._key(t.params) in self._row:
-                self._tried[self._row[self._key(t.params)]] = True  # resuming: never re-run a finished point
+        self._retries: list[tuple[dict[str, ParamValue], int]] = []
+        self._mine: dict[tuple, int] = {}  # my claims not yet told: point -> trial id
+        self._spent = 0
+        self._running_elsewhere = 0
+        self.reaped = 0  # dead workers' trials this search took up again
+        self.refresh()
 
     def _key(self, params: Mapping[str, Any]) -> tuple:
         return tuple(params.get(n) for n in self._names)
 
     @property
     def exhausted(self) -> bool:
-        return bool(self._tried.all())
+        return bool(self._tried.all()) and not self._retries
 
+    # -- the shared view --------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read the study again: points others took count as tried, trials of dead workers are
+        reaped (the ones this worker won are evaluated again first)."""
+        self._spent = self._running_elsewhere = 0
+        for t in self._storage.get_all_trials(self._study_id, deepcopy=False):
+            kind = _point_state(t)
+            if kind is None:
+                continue  # a sampler suggestion (pruned) or a withdrawn claim
+            row = self._row.get(self._key(t.params)) if t.params else None
+            if row is not None:
+                self._tried[row] = True  # finished, running or reaped: not proposed again
+            if kind == "running":
+                owner = str(t.user_attrs.get("worker", ""))
+                if owner != self.worker and not self._is_live(owner):
+                    if self._reap(t):
+                        continue
+                    kind = "reaped"
+                elif owner != self.worker:
+                    self._running_elsewhere += 1
+            if kind != "reaped":
+                self._spent += 1
+
+    def _reap(self, t: FrozenTrial) -> bool:
+        """Fail a dead worker's running trial; True when this worker won it (and will re-run it)."""
+        try:
+            self._storage.set_trial_user_attr(t._trial_id, "reaped_by", self.worker)
+            self._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        except UpdateFinishedTrialError:
+            return False  # finished meanwhile, or another worker reaped it first
+        if self._key(t.params) in self._row:
+            self._retries.append((dict(t.params), t.number))
+        self.reaped += 1
+        return True
+
+    def spent(self) -> int:
+        """Points of the study measured or being measured, by any worker (as of the last refresh
+        and this worker's own claims since)."""
+        return self._spent
+
+    @property
+    def running_elsewhere(self) -> int:
+        """Trials other live workers are evaluating in this study (as of the last refresh)."""
+        return self._running_elsewhere
+
+    # -- taking points ----------------------------------------------------------------------
     def ask(self) -> Proposal | None:
-        """The next untried valid point, or None when every valid point has been tried."""
+        """The next point to evaluate, claimed for this worker: a dead worker's trial first, then
+        the seeds, then the sampler's; None when every valid point has been tried."""
+        self.refresh()
+        if self._retries:
+            params, number = self._retries.pop(0)
+            self._claim(params, retry_of=number)
+            return Proposal(params, False, number)
         while self._pending_seeds:
             row = self._row[self._key(self._pending_seeds.pop(0))]
             if not self._tried[row]:
-                self._tried[row] = True
-                return Proposal(dict(self._valid[row]), True)  # the declared values, not the caller's
-        if self.exhausted:
+                return self._take(row, True)
+        if self._tried.all():
             return None
         trial = self.study.ask(self._distributions)
         wanted = np.array([self.space.parameter(n).values.index(trial.params[n]) for n in self._names])
@@ -71,31 +140,85 @@ class Search:
         distance[self._tried] = np.inf
         row = int(np.argmin(distance))
         self.study.tell(trial, state=TrialState.PRUNED)
-        self._tried[row] = True
-        return Proposal(dict(self._valid[row]), False)
+        return self._take(row, False)
 
-    def mark_tried(self, params: Mapping[str, ParamValue]) -> None:
-        """A point measured outside ask() (the default, first) is not proposed again."""
+    def _take(self, row: int, seeded: bool) -> Proposal:
+        params = dict(self._valid[row])  # the declared values, not the caller's
+        self._claim(params)
+        return Proposal(params, seeded)
+
+    def claim(self, params: Mapping[str, ParamValue]) -> None:
+        """Claim a point measured outside ask() (the default, first): not proposed again, and
+        told like the others. A pending retry of the same point is dropped: this is it."""
+        self._retries = [(p, n) for p, n in self._retries if self._key(p) != self._key(params)]
+        self._claim(dict(params))
+
+    def _claim(self, params: dict[str, ParamValue], retry_of: int | None = None) -> None:
         row = self._row.get(self._key(params))
         if row is not None:
             self._tried[row] = True
+        attrs: dict[str, Any] = {"worker": self.worker}
+        if retry_of is not None:
+            attrs["retry_of"] = retry_of
+        trial_id = self._storage.create_new_trial(self._study_id, template_trial=optuna.trial.create_trial(
+            params=params, distributions=self._distributions, state=TrialState.RUNNING, user_attrs=attrs))
+        self._mine[self._key(params)] = trial_id
+        self._spent += 1
+
+    def withdraw(self, params: Mapping[str, ParamValue]) -> None:
+        """Give up a claim unevaluated (the tune was interrupted): the point is untried again."""
+        trial_id = self._mine.pop(self._key(params), None)
+        if trial_id is None:
+            return
+        try:
+            self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
+        except UpdateFinishedTrialError:
+            return
+        row = self._row.get(self._key(params))
+        if row is not None:
+            self._tried[row] = False
+        self._spent -= 1
 
     def tell(self, params: Mapping[str, ParamValue], time_us: float | None, status: str,
-             attrs: Mapping[str, float | str] | None = None) -> None:
+             attrs: Mapping[str, float | str] | None = None) -> bool:
         """Record a measured point: its time when correct, a failure otherwise; `attrs` (e.g.
-        compile_s, evaluate_s) are kept with it as the trial's user attributes."""
+        compile_s, evaluate_s) are kept with it as the trial's user attributes. False when the
+        claim had been reaped meanwhile (this worker was taken for dead): the point's result is
+        then the worker's that took it up."""
         state = TrialState.COMPLETE if time_us is not None else TrialState.FAIL
-        self.study.add_trial(optuna.trial.create_trial(
-            params=dict(params), distributions=self._distributions,
-            value=time_us if time_us is not None else None, state=state,
-            user_attrs={**(attrs or {}), "status": status}))
+        trial_id = self._mine.pop(self._key(params), None)
+        if trial_id is None:  # a point never claimed (a caller measuring on its own)
+            self._claim(dict(params))
+            trial_id = self._mine.pop(self._key(params))
+        try:
+            for name, value in {**(attrs or {}), "status": status}.items():
+                self._storage.set_trial_user_attr(trial_id, name, value)
+            self._storage.set_trial_state_values(trial_id, state, None if time_us is None else [time_us])
+        except UpdateFinishedTrialError:
+            return False
+        return True
 
     def note(self, name: str, value: float | str) -> None:
         """Keep a fact about the whole study with it (e.g. the GPU's measured peak)."""
         self.study.set_user_attr(name, value)
 
     def finished(self) -> list[tuple[dict[str, ParamValue], float | None, str]]:
+        """Every point measured in the study, by any worker: (params, time or None, status)."""
         out = []
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
-            out.append((dict(t.params), t.value, str(t.user_attrs.get("status", ""))))
+        for t in self._storage.get_all_trials(self._study_id, deepcopy=False,
+                                              states=(TrialState.COMPLETE, TrialState.FAIL)):
+            if _point_state(t) == "measured":
+                out.append((dict(t.params), t.value, str(t.user_attrs.get("status", ""))))
         return out
+
+
+def _point_state(t: FrozenTrial) -> str | None:
+    """What a trial of the study is: "measured", "running", "reaped", or None (a sampler's
+    suggestion, closed as pruned at once, or a withdrawn claim)."""
+    if t.state == TrialState.COMPLETE:
+        return "measured"
+    if t.state == TrialState.FAIL:
+        return "measured" if "status" in t.user_attrs else "reaped"
+    if t.state == TrialState.RUNNING and "worker" in t.user_attrs:
+        return "running"
+    return None

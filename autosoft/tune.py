@@ -184,19 +184,23 @@ def valid_points(family: Family, problem: Problem, target: Target,
 
 
 def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cache, runner: Runner, *,
-               seed: int, resume: bool) -> Search:
-    """The search over the problem's valid points, its Optuna study kept beside the cache file
-    under a name that holds everything of the cache key. Without `resume` an earlier study of
-    that name is deleted first; with it, the study's finished points are never proposed again.
+               seed: int, resume: bool, storage: Any = None, worker: str | None = None,
+               is_live: Callable[[str], bool] | None = None) -> Search:
+    """The search over the problem's valid points, its Optuna study in `storage` (an Optuna
+    storage or URL; by default the SQLite file beside the cache) under a name that holds
+    everything of the cache key. Without `resume` an earlier study of that name is deleted
+    first; with it, the study's finished points are never proposed again. `worker` and
+    `is_live` share the study with other workers (see search.Search).
     Raises ValueError when there is no valid point (for a replay: none recorded is still valid)."""
     target = device.target
     valid = valid_points(family, problem, target, runner.candidates(family, problem))
-    storage, name = study_storage(cache), study_name(family, problem, device)
+    storage = storage if storage is not None else study_storage(cache)
+    name = study_name(family, problem, device)
     if not resume:
         _delete_study(storage, name)
     return Search(space_of(family), valid,
                   seeds=[family.default_params(problem, target), *family.seed_params(problem, target)],
-                  seed=seed, storage=storage, study_name=name)
+                  seed=seed, storage=storage, study_name=name, worker=worker, is_live=is_live)
 
 
 def resumed_trials(search: Search, family: Family, problem: Problem, target: Target) -> list[Measured]:
@@ -235,7 +239,8 @@ class Ledger:
     def record(self, m: Measured) -> None:
         spent = {name: getattr(m.outcome, name) for name in ("compile_s", "evaluate_s")
                  if getattr(m.outcome, name) is not None}  # what `autosoft report` draws against each other
-        self._search.tell(m.variant.params, m.outcome.time_us, m.outcome.status.value, spent)
+        if not self._search.tell(m.variant.params, m.outcome.time_us, m.outcome.status.value, spent):
+            return  # this worker was taken for dead and its claim reaped: the re-run is the record
         self._cache.record_trials([trial_row(self._problem, self._device, m)])
         self._track(m)
         if self._progress:
@@ -258,26 +263,30 @@ def measure_default(family: Family, problem: Problem, target: Target, runner: Ru
     if ledger.default is None:
         params = family.default_params(problem, target)
         variant = build_variant(family, problem, params, target)
+        search.claim(params)
         ledger.record(Measured(variant, runner.evaluate(family, variant, seed, timeout_s)))
-        search.mark_tried(params)
-    assert ledger.default is not None
+    if ledger.default is None:
+        raise RuntimeError(f"the default of {problem.family} {problem.shape_text} {problem.dtype} was measured "
+                           "but not recorded: this worker's claim was reaped (its heartbeat stopped)")
     return ledger.default
 
 
 def run_trials(family: Family, problem: Problem, target: Target, runner: Runner, search: Search, ledger: Ledger,
                trials: int, seed: int, timeout_s: float) -> None:
-    """Ask the search, submit to the runner, record, until `trials` are measured or the space is
-    exhausted. Up to `runner.depth` candidates are submitted ahead (the GPU runner compiles them
-    meanwhile); results are taken in submission order, each with the seed of its trial number."""
+    """Ask the search, submit to the runner, record, until the study holds `trials` points
+    (measured or in flight, by any worker sharing it) or the space is exhausted. Up to
+    `runner.depth` candidates are submitted ahead (the GPU runner compiles them meanwhile);
+    results are taken in submission order, each with the seed of its place in the study. An
+    interruption withdraws the claims still in flight."""
     in_flight: list[tuple[Variant, Pending]] = []
 
     def refill() -> None:
-        while len(in_flight) < max(1, runner.depth) and len(ledger.measured) + len(in_flight) < trials:
+        while len(in_flight) < max(1, runner.depth) and search.spent() < trials:
             proposal = search.ask()
             if proposal is None:
                 return
             variant = build_variant(family, problem, proposal.params, target)
-            number = len(ledger.measured) + len(in_flight)  # its place in the trial log
+            number = search.spent() - 1  # its place among the study's points
             in_flight.append((variant, runner.submit(family, variant, seed + number, timeout_s)))
 
     try:
@@ -288,8 +297,9 @@ def run_trials(family: Family, problem: Problem, target: Target, runner: Runner,
             variant, pending = in_flight.pop(0)
             ledger.record(Measured(variant, pending.result()))
     finally:
-        for _, pending in in_flight:  # interrupted: nothing waits for these any more
+        for variant, pending in in_flight:  # interrupted: nothing waits for these any more
             pending.cancel()
+            search.withdraw(variant.params)
 
 
 # --- re-timing and the cache write --------------------------------------------------------------
