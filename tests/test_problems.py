@@ -1,16 +1,29 @@
 """problems.py without a GPU: reading the problems file (crossing, defaults, duplicates, every
 error on one line naming the file and item), the command line's problems, writing (round trip,
-merge, concurrent processes)."""
+merge, concurrent processes) and the AUTOSOFT_RECORD hook in dispatch with a stand-in device."""
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
+import warnings
 from pathlib import Path
 
 import pytest
 
+import autosoft.compile as compiler
+import autosoft.dispatch as dispatch
+import autosoft.kernel_store as kernel_store
+import autosoft.problems as problems
+from autosoft.cache import Cache
+from autosoft.compile import CompileResult
+from autosoft.dispatch import Dispatcher
 from autosoft.errors import UserError
 from autosoft.families import get_family
+from autosoft.families.base import Target
 from autosoft.problems import problems_from_args, read_problems, write_problems
+from autosoft.runtime import DeviceInfo
+
+from helpers import make_entry, softmax_key
 
 SOFTMAX = get_family("softmax")
 ATTENTION = get_family("attention")
@@ -194,3 +207,71 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
     assert [w.exitcode for w in workers] == [0, 0]
     got = {p.shape[0] for p in read_problems(path)}
     assert got == set(range(1, 41)) | set(range(1001, 1041))
+
+
+# --- recording in dispatch ----------------------------------------------------------------------
+
+H200 = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
+
+
+class _FakeLoaded:
+    def __init__(self, variant, cubin):
+        self.variant, self.cubin = variant, cubin
+
+
+@pytest.fixture
+def loading(monkeypatch, cache_dir):
+    """dispatch sees an H200 and loads, compiles and verifies with stand-ins (as in
+    test_dispatch_cpu.py); this process has recorded nothing yet."""
+    monkeypatch.setattr(dispatch, "device_info", lambda index=None: H200)
+    monkeypatch.setattr(compiler, "compile_source", lambda source, arch, name="kernel.cu":
+                        CompileResult(True, b"CUBIN" + hashlib.sha256(source.encode()).digest(), ""))
+    monkeypatch.setattr(dispatch, "LoadedVariant", _FakeLoaded)
+    monkeypatch.setattr(dispatch, "verify", lambda family, loaded, seed: None)
+    monkeypatch.setattr(kernel_store, "_STORES", {})
+    monkeypatch.setattr(problems, "_recorded", set())
+
+
+def _tuned(cache_dir: Path, shape: str) -> None:
+    key = softmax_key(shape, gpu_name=H200.name, compute_capability=H200.compute_capability,
+                      cuda_version=H200.cuda_version)
+    params = {**SOFTMAX.default_params(SOFTMAX.problem(shape), H200.target), "streaming": True}
+    Cache(cache_dir / "kernels.sqlite").put(make_entry(key, params=params))
+
+
+def test_dispatch_records_problems_without_an_exact_entry(loading, cache_dir, tmp_path, monkeypatch):
+    record = tmp_path / "recorded.yaml"
+    monkeypatch.setenv("AUTOSOFT_RECORD", str(record))
+    _tuned(cache_dir, "4096x8192")
+    exact, near, untuned = (SOFTMAX.problem(s) for s in ("4096x8192", "4096x8000", "64x1000"))
+    d = Dispatcher()
+    assert d.choose(exact).source == "tuned" and d.choose(near).source == "nearest 4096x8192"
+    assert d.choose(untuned).source == "default"
+    for problem in (exact, near, untuned, near):
+        d.loaded(problem, 0)
+    assert read_problems(record) == [near, untuned]
+
+
+def test_recording_touches_the_file_once_per_problem_and_only_when_asked(loading, tmp_path, monkeypatch):
+    writes = []
+    monkeypatch.setattr(problems, "write_problems", lambda path, ps: writes.append(list(ps)))
+    problem = SOFTMAX.problem("64x1000")
+    Dispatcher().loaded(problem, 0)
+    assert writes == [], "AUTOSOFT_RECORD unset: nothing recorded"
+    monkeypatch.setenv("AUTOSOFT_RECORD", str(tmp_path / "r.yaml"))
+    for _ in range(3):
+        Dispatcher().loaded(problem, 0)  # a new dispatcher prepares it again
+    assert writes == [[problem]]
+
+
+def test_a_record_file_that_cannot_be_written_warns_once_and_the_call_goes_on(loading, tmp_path, monkeypatch):
+    bad = _file(tmp_path, "not a problems file\n", "notes.txt")
+    monkeypatch.setenv("AUTOSOFT_RECORD", str(bad))
+    problem = SOFTMAX.problem("64x1000")
+    with pytest.warns(UserWarning, match="AUTOSOFT_RECORD: could not record softmax 64x1000 float32: .*notes.txt"):
+        loaded = Dispatcher().loaded(problem, 0)
+    assert loaded.variant.problem == problem
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Dispatcher().loaded(problem, 0)  # warned once for this problem
+    assert bad.read_text() == "not a problems file\n"
