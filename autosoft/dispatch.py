@@ -29,6 +29,7 @@ from .evaluate import verify
 from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
 from .kernel_store import KernelStore, default_store
+from .problems import record
 from .runtime import DeviceInfo, LoadedVariant, device_info
 
 TUNED = "tuned"
@@ -140,6 +141,8 @@ class Dispatcher:
         choice unless its digest was verified before on this kind of GPU, load."""
         store = self.store
         choice = self.choose(problem)
+        if choice.entry is None or choice.entry.key.shape != problem.shape_text:
+            record(problem)  # no entry tuned for this exact problem: AUTOSOFT_RECORD notes it
         variant = choice.variant
         cubin = _compile_or_fail(variant, store)
         if not choice.trusted and not store.is_verified(variant):
