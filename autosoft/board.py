@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from optuna.exceptions import DuplicatedStudyError
 from optuna.study import StudyDirection
@@ -139,6 +139,7 @@ class Board:
         self._beat: threading.Thread | None = None
         self._stop = threading.Event()
         self._alive_until = 0.0  # by this process's clock: the fence for writing results
+        self._recent: Snapshot | None = None
 
     # -- this worker ----------------------------------------------------------------------
     def join(self, **facts: Any) -> None:
@@ -197,10 +198,15 @@ class Board:
                     self._study_ids[name] = study._study_id
         return snap
 
-    def is_live(self, worker: str, snapshot: Snapshot | None = None) -> bool:
+    def live(self, worker: str) -> bool:
+        """Whether `worker` is alive, from a view of the board at most lease_s / 8 old (the
+        search asks for every running trial it sees; one read serves them all)."""
         if worker == self.worker:
             return True
-        return (snapshot or self.snapshot()).is_live(worker)
+        now = time.time()
+        if self._recent is None or now - self._recent.taken > self.lease_s / 8:
+            self._recent = self.snapshot()
+        return self._recent.is_live(worker)
 
     # -- claiming and finishing --------------------------------------------------------------
     def claim(self, problem_study: str, snapshot: Snapshot) -> Lease | None:
@@ -239,12 +245,12 @@ class Board:
         except Exception:  # noqa: BLE001 - the deadline frees it anyway
             pass
 
-    def clear(self, problem_studies: Iterable[str]) -> None:
-        """Forget the leases and results of these problems (a fresh batch on the default storage)."""
-        wanted = set(problem_studies)
+    def clear(self, matches: Callable[[str], bool]) -> None:
+        """Forget the leases and results of the problems whose study name `matches` (a fresh batch
+        on the default storage, before its workers start)."""
         for study in self.storage.get_all_studies():
             name = study.study_name
-            if name.startswith(LEASE_PREFIX) and name[len(LEASE_PREFIX):].rpartition(":")[0] in wanted:
+            if name.startswith(LEASE_PREFIX) and matches(name[len(LEASE_PREFIX):].rpartition(":")[0]):
                 self.storage.delete_study(study._study_id)
                 self._study_ids.pop(name, None)
 

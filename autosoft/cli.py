@@ -48,26 +48,69 @@ def build_parser() -> argparse.ArgumentParser:
             problem_args(p, family)
             add_args(p, family)
 
-    tune = sub.add_parser("tune", help="search for the fastest correct variant and store it")
+    tune = sub.add_parser(
+        "tune", help="search for the fastest correct variant of one or many problems and store each",
+        description="Tune one problem (a family word, --shape, --dtype), many (repeat --shape/--dtype: they "
+                    "are crossed), or every problem of a problems file (--problems FILE, no family word). "
+                    "Options may come before or after the family word.",
+        usage="autosoft tune [options] {FAMILY --shape S [--shape S ...] [--dtype D ...] | --problems FILE}")
 
-    def tune_args(p: argparse.ArgumentParser, family: Family) -> None:
-        p.add_argument("--trials", type=int, default=60, help="variants to evaluate (default 60)")
-        p.add_argument("--seed", type=int, default=0, help="seed of the search and of the test inputs")
-        p.add_argument("--resume", action="store_true",
-                       help="continue the interrupted study for this problem instead of starting afresh")
-        p.add_argument("--timeout-multiple", type=float, default=Watchdog.multiple,
+    def tune_args(p: argparse.ArgumentParser, family: Family | None = None) -> None:
+        # on the family's parser too, where a value given overrides the one before the family word
+        d = (lambda value: argparse.SUPPRESS) if family is not None else (lambda value: value)
+        p.add_argument("--trials", type=int, default=d(60), help="variants to evaluate per problem (default 60)")
+        p.add_argument("--seed", type=int, default=d(0), help="seed of the search and of the test inputs")
+        p.add_argument("--resume", action="store_true", default=d(False),
+                       help="continue the interrupted tune (its studies, and a batch's finished problems) "
+                            "instead of starting afresh; a --storage URL is always continued")
+        p.add_argument("--timeout-multiple", type=float, default=d(Watchdog.multiple),
                        help="watchdog: an evaluation may take this many times the default variant's kernel "
                             f"time per launch (default {Watchdog.multiple:g})")
-        p.add_argument("--timeout-floor", type=float, default=Watchdog.floor_s,
+        p.add_argument("--timeout-floor", type=float, default=d(Watchdog.floor_s),
                        help=f"watchdog: never less than this many seconds (default {Watchdog.floor_s:g})")
-        p.add_argument("--timeout-cap", type=float, default=Watchdog.cap_s,
+        p.add_argument("--timeout-cap", type=float, default=d(Watchdog.cap_s),
                        help=f"watchdog: never more than this many seconds (default {Watchdog.cap_s:g})")
-        cache_arg(p)
+        p.add_argument("--storage", default=d(None), metavar="URL",
+                       help="Optuna storage shared by every worker of the batch: journal:///FILE (several "
+                            "processes of one host), postgresql://USER@HOST/DB (many hosts: start the same "
+                            "command on each); default: <cache stem>-studies.sqlite beside the cache for one "
+                            "process, <cache stem>-studies.log for --gpus/--ray")
+        p.add_argument("--gpus", default=d(None), metavar="all|LIST",
+                       help="one worker process per GPU, each pinned with CUDA_VISIBLE_DEVICES: all, or indices "
+                            "such as 0,1,3 (default: one worker in this process, on the current GPU)")
+        p.add_argument("--ray", nargs="?", const="", default=d(None), metavar="ADDRESS",
+                       help="one worker per GPU of the Ray cluster at ADDRESS (default: RAY_ADDRESS or a local "
+                            "cluster); needs pip install 'autosoft[ray]'")
+        p.add_argument("--replay", type=user_path, default=d(None), metavar="FILE",
+                       help="simulation: answer every trial from the trials recorded in this cache file instead "
+                            "of the GPU (no GPU needed; for trying a batch or a cluster set-up)")
+        p.add_argument("--replay-delay", type=float, default=d(0.0), metavar="SECONDS",
+                       help="with --replay: how long each simulated evaluation takes (default 0)")
+        p.add_argument("--cache", type=user_path, default=d(None),
+                       help="cache file (default: $AUTOSOFT_CACHE_DIR/kernels.sqlite or the user cache dir)")
+        if family is None:
+            p.add_argument("--problems", type=user_path, default=None, metavar="FILE",
+                           help="tune every problem of this YAML file (format: README, 'Many problems'; "
+                                "AUTOSOFT_RECORD=FILE writes one from a program's calls)")
 
-    per_family(tune, tune_args)
+    tune_args(tune)
+    by_family = tune.add_subparsers(dest="family", required=False, metavar="FAMILY", parser_class=_Parser,
+                                    title="families")
+    for family in families().values():
+        doc = (type(family).__doc__ or family.name).strip().splitlines()[0]
+        p = by_family.add_parser(family.name, help=doc, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        problem_args(p, family, many=True)
+        tune_args(p, family)
 
-    lst = sub.add_parser("list", help="show the entries of a cache file")
+    lst = sub.add_parser("list", help="show the entries of a cache file, or the results in a study storage")
+    lst.add_argument("--storage", default=None, metavar="URL",
+                     help="show the results a batch tune wrote in this storage (with the host that tuned each)")
     cache_arg(lst)
+
+    collect = sub.add_parser("collect", help="write the results of a batch tune's storage into a cache file")
+    collect.add_argument("--storage", required=True, metavar="URL", help="the storage the workers shared")
+    cache_arg(collect)
 
     export = sub.add_parser("export", help="write the tuned variant as a standalone .cu file")
 
@@ -113,11 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def problem_args(p: argparse.ArgumentParser, family: Family) -> None:
-    """--shape, --dtype and the family's problem options."""
-    p.add_argument("--shape", required=True, help=f"problem shape: {family.shape_help}")
-    p.add_argument("--dtype", default=family.default_dtype,
-                   help=f"one of {', '.join(family.dtypes)} (default {family.default_dtype})")
+def problem_args(p: argparse.ArgumentParser, family: Family, many: bool = False) -> None:
+    """--shape, --dtype (repeatable for `tune`: crossed) and the family's problem options."""
+    if many:
+        p.add_argument("--shape", required=True, action="append",
+                       help=f"problem shape: {family.shape_help} (repeatable)")
+        p.add_argument("--dtype", action="append", default=None,
+                       help=f"one of {', '.join(family.dtypes)} (repeatable; default {family.default_dtype})")
+    else:
+        p.add_argument("--shape", required=True, help=f"problem shape: {family.shape_help}")
+        p.add_argument("--dtype", default=family.default_dtype,
+                       help=f"one of {', '.join(family.dtypes)} (default {family.default_dtype})")
     for option in family.options:
         flag = "--" + option.name.replace("_", "-")
         if option.kind == "flag":
@@ -144,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 where = " ".join(w for w in ("autosoft", args.command, getattr(args, "family", None)) if w)
                 raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `{where} --help`)")
             code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render,
-                    "report": cmd_report}[args.command](args)
+                    "report": cmd_report, "collect": cmd_collect}[args.command](args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a reader that went away shows here, where it is caught, not at exit
             return code
@@ -181,20 +230,124 @@ def _problem(args: argparse.Namespace) -> tuple[Family, Problem]:
     return family, family.problem(args.shape, args.dtype, {k: v for k, v in options.items() if v is not None})
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
-    from .runtime import device_info
-    from .tune import params_text, print_progress, tune
+def _options(args: argparse.Namespace, family: Family) -> dict:
+    options = {o.name: getattr(args, f"option_{o.name}") for o in family.options}
+    return {k: v for k, v in options.items() if v is not None and v is not False}
 
-    family, problem = _problem(args)
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .problems import problems_from_args, read_problems
+
+    if args.problems is not None and args.family:
+        raise UserError("give either a family word with --shape, or --problems FILE, not both")
+    if args.problems is not None:
+        problems = read_problems(args.problems)
+    elif args.family:
+        family = get_family(args.family)
+        problems = problems_from_args(family, args.shape, args.dtype or [], _options(args, family))
+    else:
+        raise UserError("name a family (" + ", ".join(families()) + ") with --shape, or --problems FILE "
+                        "(see `autosoft tune --help`)")
     if args.trials < 1:
         raise UserError(f"--trials must be at least 1, got {args.trials}")
     if not 0 < args.timeout_floor <= args.timeout_cap or args.timeout_multiple <= 0:
         raise UserError("watchdog: need 0 < --timeout-floor <= --timeout-cap and --timeout-multiple > 0")
+    if args.replay_delay < 0 or (args.replay_delay and args.replay is None):
+        raise UserError("--replay-delay needs --replay and a number of seconds >= 0")
+    if args.gpus is not None and args.ray is not None:
+        raise UserError("--gpus places workers on this host, --ray on a Ray cluster: give one of them")
+    watchdog = Watchdog(args.timeout_multiple, args.timeout_floor, args.timeout_cap)
+    batch = (len(problems) > 1 or args.storage is not None or args.gpus is not None or args.ray is not None
+             or args.replay is not None)
+    if batch:
+        return _tune_batch(args, problems, watchdog)
+    return _tune_one(args, problems[0], watchdog)
+
+
+def _gpu_list(text: str, replay: bool) -> list[str]:
+    if text.strip() == "all":
+        if replay:
+            raise UserError("--gpus all: a replay has no GPUs to count; list them, e.g. --gpus 0,1,2,3")
+        from .runtime import cupy_module
+
+        return [str(i) for i in range(cupy_module().cuda.runtime.getDeviceCount())]
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+        raise UserError(f"--gpus {text!r}: expected all, or distinct GPU indices such as 0,1,3")
+    return gpus
+
+
+def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Watchdog) -> int:
+    from .batch import BatchSpec, run_batch
+    from .storage import default_storage_url, describe
+
+    gpus = _gpu_list(args.gpus, args.replay is not None) if args.gpus is not None else None
+    several = args.ray is not None or (gpus is not None and len(gpus) > 1)
+    if args.replay is None and gpus is None and args.ray is None:
+        from .runtime import device_info
+
+        device_info()  # fails with a clear message before any file is touched
+    if args.replay is not None and not args.replay.is_file():
+        raise UserError(f"--replay {args.replay}: no such file")
+    cache_path = args.cache or default_cache_path()
+    storage = args.storage or default_storage_url(cache_path, 2 if several else 1)
+    spec = BatchSpec(problems=tuple(problems), trials=args.trials, cache=str(cache_path), storage=storage,
+                     seed=args.seed, fresh=args.storage is None and not args.resume,
+                     replay=str(args.replay) if args.replay else None, replay_delay_s=args.replay_delay,
+                     watchdog=watchdog)
+    where = ("Ray" if args.ray is not None else f"GPUs {','.join(gpus)}" if gpus else "this process")
+    print(f"tuning {len(problems)} problems, {args.trials} trials each, on {where}"
+          f"{' (replaying ' + str(args.replay) + ')' if args.replay else ''}; storage {describe(storage)}",
+          file=sys.stderr)
+    result = run_batch(spec, gpus=gpus, ray_address=args.ray or None, use_ray=args.ray is not None)
+    print_results(result.results)
+    print(f"{len(result.results)} of {len(problems)} problems tuned in {result.seconds:.1f} s; "
+          f"entries in {cache_path}" + (f" and in {describe(storage)}" if args.storage else ""))
+    for p in result.missing:
+        print(f"not finished: {p.family} {p.shape_text} {p.dtype}")
+    failed = [r for r in result.results if not r.get("entry")]
+    return 1 if result.missing or failed else 0  # a dead worker whose problem another finished is no failure
+
+
+def print_results(results: list) -> None:
+    """The batch summary: one row per problem, as the board holds it."""
+    from .batch import result_summary
+
+    if not results:
+        return
+    print(f"{'family':9} {'dtype':9} {'shape':18} {'time (us)':>10} {'vs default':>10} {'rate':>14} "
+          f"{'trials':>6} {'host':16} variant")
+    for r in results:
+        problem, row = r["problem"], result_summary(r)
+        family = get_family(problem["family"]) if problem["family"] in families() else None
+        t = row["time_us"]
+        if t is None:
+            print(f"{problem['family']:9} {problem['dtype']:9} {problem['shape']:18} {'no correct variant':>36}"
+                  f" {row['trials']:6} {row['host'][:16]:16}")
+            continue
+        speedup = f"{row['default_time_us'] / t:9.2f}x" if row["default_time_us"] else f"{'-':>10}"
+        rate = "-"
+        if family is not None:
+            parsed = family.parse_problem(problem["shape"], problem["dtype"])
+            flops = family.flops(parsed)
+            if flops:
+                rate = f"{flops / (t * 1e-6) / 1e12:.1f} TF/s"
+            elif row["copy_time_us"]:
+                rate = f"{100 * row['copy_time_us'] / t:.1f}% copy"
+        print(f"{problem['family']:9} {problem['dtype']:9} {problem['shape']:18} {t:10.2f} {speedup} {rate:>14} "
+              f"{row['trials']:6} {row['host'][:16]:16} {row['variant']}")
+
+
+def _tune_one(args: argparse.Namespace, problem: Problem, watchdog: Watchdog) -> int:
+    """One problem in this process: the detailed report (best, default, copy)."""
+    from .runtime import device_info
+    from .tune import params_text, print_progress, tune
+
+    family = get_family(problem.family)
     device = device_info()  # fails with a clear message before any file is touched
     cache = Cache(args.cache or default_cache_path())
     print(f"tuning {family.name} {problem.shape_text} {problem.dtype} on {device.name} "
           f"(sm_{device.compute_capability}, NVRTC {device.cuda_version}), {args.trials} trials", file=sys.stderr)
-    watchdog = Watchdog(args.timeout_multiple, args.timeout_floor, args.timeout_cap)
     report = tune(family, problem, args.trials, cache, seed=args.seed, progress=print_progress(),
                   resume=args.resume, watchdog=watchdog)
     nbytes = family.bytes_moved(problem)
@@ -242,6 +395,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     a GPU or NVRTC to compare with."""
     from .dispatch import cache_key, nvrtc_match
 
+    if args.storage is not None:
+        return _list_storage(args.storage)
+
     path = args.cache or default_cache_path()
     if not path.exists():
         print(f"no cache at {path} (autosoft tune creates it)")
@@ -282,6 +438,32 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{e.key.family:9} {e.key.dtype:9} {e.key.shape:14} {e.key.gpu_name[:22]:22} "
               f"{e.key.compute_capability:4} {e.key.cuda_version:6} {serves(e):10} {e.time_us:10.2f} {pct}  "
               f"{e.variant_name}")
+    return 0
+
+
+def _list_storage(url: str) -> int:
+    from .batch import stored_results
+    from .storage import describe, open_storage
+
+    results = stored_results(open_storage(url))
+    print(f"{describe(url)}: {len(results)} results")
+    print_results(results)
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    """Every result of the storage into the cache file: an entry is added unless a faster one
+    for the same key is there; the file is written as `tune` writes it (atomic per entry)."""
+    from .batch import entry_from_record, stored_results
+    from .storage import describe, open_storage
+
+    results = stored_results(open_storage(args.storage))
+    path = args.cache or default_cache_path()
+    cache = Cache(path)
+    entries = [entry_from_record(r["entry"]) for r in results if r.get("entry")]
+    stored = sum(cache.put(e) for e in entries)
+    print(f"{describe(args.storage)}: {len(entries)} entries; {stored} written into {path}, "
+          f"{len(entries) - stored} already there as fast or faster")
     return 0
 
 

@@ -283,7 +283,8 @@ class ReplayRunner(Runner):
     own re-timing only for its winner, in the entry); time_copy() returns the copy time of the
     problem's entry. `timeout_s` is not applied again: the recording's watchdog already was.
     `restarts` counts the worker restarts the recording had (one per launch failure or timeout).
-    `evaluated` lists the params of every evaluate() call, in order.
+    `evaluated` lists the params of every evaluate() call, in order. `delay_s`: each evaluation
+    takes this long (a batch's workers can then be caught, and killed, mid-trial).
 
     Device: GPU name, compute capability and NVRTC version come from the problem's entry in the
     file (the newest, if several); the file does not record SM count, L2 size or opt-in shared
@@ -292,7 +293,7 @@ class ReplayRunner(Runner):
     """
 
     def __init__(self, path: Path | str, problem: Problem, *, gpu_name: str | None = None,
-                 device: DeviceInfo | None = None):
+                 device: DeviceInfo | None = None, delay_s: float = 0.0):
         cache = Cache(path, create=False)  # validates the file; never writes to it
         self.path = cache.path
         self.problem = problem
@@ -327,6 +328,7 @@ class ReplayRunner(Runner):
                                 self.entry.key.cuda_version)
         self._device = device
         self._restarts = 0
+        self.delay_s = delay_s
         self.evaluated: list[dict[str, ParamValue]] = []
 
     def _what(self) -> str:
@@ -355,6 +357,8 @@ class ReplayRunner(Runner):
 
     def evaluate(self, family: Family, variant: Variant, seed: int, timeout_s: float) -> Outcome:
         self.evaluated.append(dict(variant.params))
+        if self.delay_s:
+            time.sleep(self.delay_s)  # what an evaluation takes, for tests of workers dying mid-trial
         found = self.lookup(variant)
         if found is None:
             return Outcome(Status.INVALID, message=f"not recorded in {self.path}")

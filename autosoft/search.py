@@ -128,24 +128,26 @@ class Search:
             params, number = self._retries.pop(0)
             self._claim(params, retry_of=number)
             return Proposal(params, False, number)
-        while self._pending_seeds:
-            row = self._row[self._key(self._pending_seeds.pop(0))]
-            if not self._tried[row]:
-                return self._take(row, True)
-        if self._tried.all():
-            return None
-        trial = self.study.ask(self._distributions)
-        wanted = np.array([self.space.parameter(n).values.index(trial.params[n]) for n in self._names])
-        distance = (np.abs(self._index - wanted) / self._scale).sum(axis=1)
-        distance[self._tried] = np.inf
-        row = int(np.argmin(distance))
-        self.study.tell(trial, state=TrialState.PRUNED)
-        return self._take(row, False)
-
-    def _take(self, row: int, seeded: bool) -> Proposal:
-        params = dict(self._valid[row])  # the declared values, not the caller's
-        self._claim(params)
-        return Proposal(params, seeded)
+        while True:
+            if self._pending_seeds:
+                row = self._row[self._key(self._pending_seeds.pop(0))]
+                if self._tried[row]:
+                    continue
+                seeded = True
+            else:
+                if self._tried.all():
+                    return None
+                trial = self.study.ask(self._distributions)
+                wanted = np.array([self.space.parameter(n).values.index(trial.params[n]) for n in self._names])
+                distance = (np.abs(self._index - wanted) / self._scale).sum(axis=1)
+                distance[self._tried] = np.inf
+                row = int(np.argmin(distance))
+                self.study.tell(trial, state=TrialState.PRUNED)
+                seeded = False
+            params = dict(self._valid[row])  # the declared values, not the caller's
+            if self._claim(params, first=True):
+                return Proposal(params, seeded)
+            # another worker claimed this point since the refresh: it is tried; choose again
 
     def claim(self, params: Mapping[str, ParamValue]) -> None:
         """Claim a point measured outside ask() (the default, first): not proposed again, and
@@ -153,8 +155,13 @@ class Search:
         self._retries = [(p, n) for p, n in self._retries if self._key(p) != self._key(params)]
         self._claim(dict(params))
 
-    def _claim(self, params: dict[str, ParamValue], retry_of: int | None = None) -> None:
-        row = self._row.get(self._key(params))
+    def _claim(self, params: dict[str, ParamValue], retry_of: int | None = None, first: bool = False) -> bool:
+        """Add this worker's RUNNING trial of the point. With `first`, keep it only if no other
+        worker's claim or measurement of the point came before it in the study (trial numbers
+        follow the order the storage took them in, so of two workers claiming one point at once
+        exactly one keeps it); the other claim is withdrawn and False returned."""
+        key = self._key(params)
+        row = self._row.get(key)
         if row is not None:
             self._tried[row] = True
         attrs: dict[str, Any] = {"worker": self.worker}
@@ -162,8 +169,16 @@ class Search:
             attrs["retry_of"] = retry_of
         trial_id = self._storage.create_new_trial(self._study_id, template_trial=optuna.trial.create_trial(
             params=params, distributions=self._distributions, state=TrialState.RUNNING, user_attrs=attrs))
-        self._mine[self._key(params)] = trial_id
+        if first:
+            number = self._storage.get_trial_number_from_id(trial_id)
+            for t in self._storage.get_all_trials(self._study_id, deepcopy=False):
+                if (t.number < number and t.params and self._key(t.params) == key
+                        and _point_state(t) in ("measured", "running")):
+                    self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
+                    return False
+        self._mine[key] = trial_id
         self._spent += 1
+        return True
 
     def withdraw(self, params: Mapping[str, ParamValue]) -> None:
         """Give up a claim unevaluated (the tune was interrupted): the point is untried again."""

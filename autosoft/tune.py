@@ -329,14 +329,22 @@ def confirm_best(family: Family, runner: Runner, measured: list[Measured], timeo
     return Measured(m.variant, Outcome(Status.OK, time_us=t))
 
 
-def store_entry(cache: Cache, family: Family, problem: Problem, device: DeviceInfo, best: Measured,
-                default: Measured, copy_time_us: float) -> bool:
-    """Store the winner under the problem's cache key unless a faster entry is there; True when stored."""
-    return cache.put(Entry(
+def make_entry(family: Family, problem: Problem, device: DeviceInfo, best: Measured, default: Measured,
+               copy_time_us: float) -> Entry:
+    """The cache entry of a winner: only a correct variant can become one."""
+    if not best.outcome.ok or best.outcome.time_us is None:
+        raise ValueError(f"{best.variant.name} is not a correct variant ({best.outcome.status.value})")
+    return Entry(
         key=cache_key(problem, device, family), variant_name=best.variant.name, params=dict(best.variant.params),
         source_digest=best.variant.digest, time_us=best.outcome.time_us,
         default_time_us=default.outcome.time_us, copy_time_us=copy_time_us,
-        launches=launches_text(best.variant), autosoft_version=__version__, created=time.time()))
+        launches=launches_text(best.variant), autosoft_version=__version__, created=time.time())
+
+
+def store_entry(cache: Cache, family: Family, problem: Problem, device: DeviceInfo, best: Measured,
+                default: Measured, copy_time_us: float) -> bool:
+    """Store the winner under the problem's cache key unless a faster entry is there; True when stored."""
+    return cache.put(make_entry(family, problem, device, best, default, copy_time_us))
 
 
 def _delete_study(storage: str, name: str) -> None:

@@ -1,0 +1,66 @@
+"""Batch workers placed by Ray: one task per GPU of an existing cluster (`autosoft tune --ray`).
+
+The optional extra `autosoft[ray]`. This is the pattern Kernel Tuner's parallel runner and
+vLLM's kernel-tuning scripts use (one `num_gpus=1` worker per GPU, Ray setting
+CUDA_VISIBLE_DEVICES), with one difference: the workers do not report to this driver, they
+share the batch through the study storage like workers started any other way (batch.py), so a
+Ray worker and a worker started by hand on another host can tune one batch together, and the
+driver only starts them and draws the progress. The storage must be reachable from every node:
+a journal file on a one-node cluster, PostgreSQL across nodes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .errors import UserError, one_line
+
+__all__ = ["run_on_ray"]
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--ray needs Ray: pip install 'autosoft[ray]'") from None
+    return ray
+
+
+def _task(spec: Any) -> dict[str, Any]:
+    """One worker on the GPU Ray gave this task; what it did."""
+    import ray
+
+    from .batch import run_worker
+
+    gpus = ",".join(str(g) for g in ray.get_gpu_ids())
+    summary = run_worker(spec, label=f"ray:{gpus}")
+    return {"worker": summary.worker, "owned": summary.owned, "helped": summary.helped, "trials": summary.trials}
+
+
+def run_on_ray(spec: Any, address: str | None, *, tick: Callable[[], Any] = lambda: None,
+               gpus: int | None = None) -> list[str]:
+    """Start one worker per GPU of the Ray cluster at `address` (None: RAY_ADDRESS, or a local
+    cluster of this machine's GPUs), draw with `tick` about once a second until all end.
+    `gpus`: how many workers (default: every GPU the cluster has). Returns the workers that
+    failed, each as 'ray:<n>: <error>'."""
+    ray = _ray()
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        except Exception as exc:  # noqa: BLE001 - Ray's connection errors have many types
+            raise UserError(f"--ray {address or ''}: cannot join the cluster ({one_line(exc)[:160]})") from None
+    count = gpus if gpus is not None else int(ray.cluster_resources().get("GPU", 0))
+    if count < 1:
+        raise UserError("--ray: the cluster has no GPU (ray status shows its resources)")
+    task = ray.remote(num_gpus=1, max_retries=0)(_task)
+    refs = {task.remote(spec): n for n in range(count)}
+    pending = list(refs)
+    failed: list[str] = []
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - a task's error, whatever it was
+                failed.append(f"ray:{refs[ref]}: {one_line(exc)[:200]}")
+        tick()
+    return failed

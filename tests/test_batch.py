@@ -1,0 +1,314 @@
+"""CPU tier: batch tuning (batch.py), its board (board.py) and the shared study (search.py), with
+the replay runner standing in for the GPU.
+
+The replay answers from the trials recorded on the H200 (benchmarks/results/softmax_h200.sqlite:
+48 softmax problems, 40 trials each). With more trials allowed than were recorded, every recorded
+point of a problem is evaluated whoever evaluates it, so a batch's results must equal a single
+process's exactly. Storages: the embedded default (SQLite, one process), a journal file (worker
+processes of one host), a real PostgreSQL server started on loopback (tests/postgres.py), and Ray
+with logical GPUs where the extra is installed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autosoft.batch import BatchSpec, run_batch, stored_results
+from autosoft.board import Board
+from autosoft.families import get_family
+from autosoft.problems import write_problems
+from autosoft.search import Search
+from autosoft.storage import open_storage
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDING = REPO / "benchmarks" / "results" / "softmax_h200.sqlite"
+SOFTMAX = get_family("softmax")
+TRIALS = 60  # above the 40 recorded: every recorded point is evaluated
+
+
+def recorded_problems():
+    with sqlite3.connect(RECORDING) as conn:
+        rows = conn.execute("SELECT DISTINCT family, dtype, shape FROM entries ORDER BY shape, dtype").fetchall()
+    return [get_family(f).parse_problem(shape, dtype) for f, dtype, shape in rows]
+
+
+PROBLEMS = recorded_problems()
+FORTY = PROBLEMS[:40]
+
+
+def run_cli(args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "autosoft", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO)
+
+
+def winners(results) -> dict[tuple[str, str, str], tuple[str, float, float]]:
+    """(family, shape, dtype) -> (variant, time, default time) of each result."""
+    out = {}
+    for r in results:
+        p, e = r["problem"], r["entry"]
+        out[(p["family"], p["shape"], p["dtype"])] = (e["variant_name"], e["time_us"], e["default_time_us"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The 40 problems tuned by one worker in this process on the embedded default storage."""
+    folder = tmp_path_factory.mktemp("single")
+    spec = BatchSpec(problems=tuple(FORTY), trials=TRIALS, cache=str(folder / "k.sqlite"),
+                     storage=f"sqlite:///{folder / 'k-studies.sqlite'}", fresh=True, replay=str(RECORDING))
+    result = run_batch(spec)
+    assert not result.missing and len(result.results) == 40
+    return winners(result.results)
+
+
+# --- the board ------------------------------------------------------------------------------------
+
+def journal(tmp_path, name="board.log"):
+    return open_storage(f"journal://{tmp_path / name}", create=True)
+
+
+def test_a_problem_is_held_by_one_worker_and_taken_over_when_it_leaves(tmp_path):
+    a, b = Board(journal(tmp_path), lease_s=30), Board(journal(tmp_path), lease_s=30)
+    a.join(gpu="0")
+    b.join(gpu="1")
+    try:
+        lease = a.claim("p", a.snapshot())
+        assert lease is not None and lease.generation == 0
+        assert b.claim("p", b.snapshot()) is None, "a live holder keeps its problem"
+        a.leave()
+        taken = b.claim("p", b.snapshot())
+        assert taken is not None and taken.generation == 1
+        assert not a.finish(lease, {"x": 1}), "the old holder may not write the result"
+        assert b.finish(taken, {"x": 2})
+        state = b.snapshot().problem("p")
+        assert state.done and state.results == 1 and state.result["x"] == 2 and state.result["generation"] == 1
+        assert b.claim("p", b.snapshot()) is None, "a finished problem is never claimed again"
+    finally:
+        a.leave()
+        b.leave()
+
+
+def test_a_worker_whose_heartbeat_stops_loses_its_problem_after_the_lease(tmp_path):
+    a, b = Board(journal(tmp_path), lease_s=0.6), Board(journal(tmp_path), lease_s=0.6)
+    a.join()
+    b.join()
+    try:
+        lease = a.claim("p", a.snapshot())
+        a._stop.set()  # the heartbeat stops as a killed process's would (no leave)
+        assert b.claim("p", b.snapshot()) is None
+        time.sleep(1.0)
+        assert not a.fenced(), "its own clock says the lease ran out"
+        assert not a.finish(lease, {"x": 1})
+        assert b.claim("p", b.snapshot()) is not None
+    finally:
+        b.leave()
+
+
+def test_two_workers_claiming_one_generation_at_once_get_it_once(tmp_path):
+    boards = [Board(journal(tmp_path), lease_s=30) for _ in range(4)]
+    for board in boards:
+        board.join()
+    try:
+        snaps = [board.snapshot() for board in boards]  # all see it free
+        got = [board.claim("p", snap) for board, snap in zip(boards, snaps)]
+        assert sum(lease is not None for lease in got) == 1
+    finally:
+        for board in boards:
+            board.leave()
+
+
+# --- the shared study -----------------------------------------------------------------------------
+
+def _search(storage, worker, is_live=None):
+    from autosoft.families.base import Target, space_of
+
+    problem = SOFTMAX.problem("256x1000", "float32")
+    target = Target.for_arch("90")
+    valid = space_of(SOFTMAX).valid_points(SOFTMAX.problem_values(problem, target))[:30]
+    return Search(space_of(SOFTMAX), valid, seed=0, storage=storage, study_name="shared", worker=worker,
+                  is_live=is_live)
+
+
+def test_a_dead_workers_running_trial_is_taken_up_again_exactly_once(tmp_path):
+    a = _search(journal(tmp_path), "a", is_live=lambda w: True)
+    taken = a.ask()  # claimed, never told: the worker dies
+    b = _search(journal(tmp_path), "b", is_live=lambda w: w != "a")
+    c = _search(journal(tmp_path), "c", is_live=lambda w: w != "a")
+    retry = b.ask()
+    assert retry.params == taken.params and retry.retry_of is not None
+    for _ in range(5):
+        assert c.ask().params != taken.params, "the point is taken up once, by the worker that reaped it"
+    assert not a.tell(taken.params, 1.0, "ok"), "the dead worker's late result is refused"
+    assert b.tell(retry.params, 2.0, "ok")
+    measured = [p for p, t, s in c.finished() if p == taken.params]
+    assert measured == [taken.params] and b.reaped == 1 and c.reaped == 0
+
+
+def test_two_workers_claiming_one_point_at_once_keep_it_once(tmp_path):
+    a, b = _search(journal(tmp_path), "a", lambda w: True), _search(journal(tmp_path), "b", lambda w: True)
+    point = dict(a._valid[3])
+    kept = [a._claim(dict(point), first=True), b._claim(dict(point), first=True)]
+    assert kept == [True, False]
+    assert a.spent() == 1 and b.spent() == 0
+    b.refresh()
+    assert b.spent() == 1, "the loser's claim was withdrawn; the winner's counts"
+
+
+def test_an_interrupted_claim_is_withdrawn_and_the_point_is_untried_again(tmp_path):
+    a = _search(journal(tmp_path), "a")
+    p = a.ask()
+    a.withdraw(p.params)
+    b = _search(journal(tmp_path), "b")
+    assert b.spent() == 0 and not b._tried[b._row[b._key(p.params)]]
+
+
+# --- batches ----------------------------------------------------------------------------------------
+
+def test_one_process_batch_tunes_each_problem_to_its_fastest_recorded_point(single):
+    """Every recorded point evaluated, the finalists re-timed from the recording: each result is
+    the problem's fastest recorded correct point, and its default the recorded default."""
+    assert len(single) == 40
+    with sqlite3.connect(RECORDING) as conn:
+        fastest = dict(((f, s, d), t) for f, s, d, t in conn.execute(
+            "SELECT family, shape, dtype, MIN(time_us) FROM trials WHERE status='ok' GROUP BY family, shape, dtype"))
+    assert {k: v[1] for k, v in single.items()} == {k: fastest[k] for k in single}
+    assert all(v[2] is not None and v[2] >= v[1] for v in single.values())
+
+
+def test_journal_workers_of_one_host_equal_one_process_and_resume_does_nothing(single, tmp_path):
+    eight = FORTY[:8]
+    problems = tmp_path / "problems.yaml"
+    write_problems(problems, eight)
+    cache = tmp_path / "k.sqlite"
+    args = ["tune", "--problems", problems, "--replay", RECORDING, "--trials", TRIALS, "--cache", cache,
+            "--gpus", "0,1,2"]
+    first = run_cli(args, env={"AUTOSOFT_LEASE_SECONDS": "5"})
+    assert first.returncode == 0, first.stderr
+    storage = open_storage(f"journal://{tmp_path / 'k-studies.log'}")
+    results = stored_results(storage)
+    assert len(results) == 8
+    assert winners(results) == {k: v for k, v in single.items() if k in winners(results)}
+    assert {r["gpu"] for r in results} <= {"0", "1", "2"}
+
+    again = run_cli(args + ["--resume"])
+    assert again.returncode == 0, again.stderr
+    assert "8 of 8 problems tuned" in again.stdout
+    assert len(stored_results(open_storage(f"journal://{tmp_path / 'k-studies.log'}"))) == 8
+    studies = {s.study_name: s for s in storage.get_all_studies()}
+    for p in eight:
+        name = next(n for n in studies if n.startswith(f"softmax/{p.dtype}/{p.shape_text}/"))
+        trials = storage.get_all_trials(studies[name]._study_id)
+        assert sum("status" in t.user_attrs for t in trials) == 40, "resume evaluated nothing again"
+
+
+def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
+    cases = {
+        ("tune",): "name a family",
+        ("tune", "--problems", tmp_path / "p.yaml", "softmax", "--shape", "64x64"): "not both",
+        ("tune", "softmax", "--shape", "64x64", "--problems", tmp_path / "p.yaml"): "unrecognized arguments",
+        ("tune", "softmax", "--shape", "64x64", "--gpus", "0,x"): "--gpus",
+        ("tune", "softmax", "--shape", "64x64", "--replay-delay", "1"): "--replay-delay",
+        ("tune", "softmax", "--shape", "64x64", "--gpus", "0", "--ray"): "give one of them",
+        ("tune", "softmax", "--shape", "64x64", "--shape", "64x128", "--replay", tmp_path / "none.sqlite"):
+            "no such file",
+        ("tune", "--problems", tmp_path / "missing.yaml"): "missing.yaml",
+    }
+    for args, words in cases.items():
+        result = run_cli(list(args) + ["--cache", tmp_path / "k.sqlite"])
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and words in lines[0], (args, result.stderr)
+    assert not (tmp_path / "k.sqlite").exists(), "nothing was created"
+
+
+def _running_worker_pid(storage) -> tuple[int, str] | None:
+    """The pid and id of a live worker evaluating a trial right now, from the storage."""
+    snap = Board(storage).snapshot()
+    for study in storage.get_all_studies():
+        if study.study_name.startswith("autosoft-"):
+            continue
+        for t in storage.get_all_trials(study._study_id, deepcopy=False):
+            worker = t.user_attrs.get("worker")
+            if t.state.name == "RUNNING" and worker and snap.is_live(worker):
+                return int(snap.workers[worker]["pid"]), worker
+    return None
+
+
+def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_once(single, postgres_server,
+                                                                                  tmp_path):
+    url = postgres_server.database("batch_eight")
+    problems = tmp_path / "problems.yaml"
+    write_problems(problems, FORTY)
+    cache = tmp_path / "k.sqlite"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autosoft", "tune", "--problems", str(problems), "--replay", str(RECORDING),
+         "--replay-delay", "0.02", "--trials", str(TRIALS), "--cache", str(cache), "--storage", url,
+         "--gpus", "0,1,2,3,4,5,6,7"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AUTOSOFT_LEASE_SECONDS": "4"})
+    storage = open_storage(url)
+    victim = None
+    deadline = time.time() + 300
+    while victim is None and time.time() < deadline and proc.poll() is None:
+        if len(stored_results(storage)) >= 5:
+            victim = _running_worker_pid(storage)
+        time.sleep(0.2)
+    assert victim is not None, "no worker was caught mid-trial"
+    os.kill(victim[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    assert "ended with signal 9" in err
+
+    results = stored_results(storage)
+    assert len(results) == 40
+    snap = Board(storage).snapshot()
+    assert all(snap.problem(name).results == 1 for name in snap.leases), "a problem finished twice"
+    assert winners(results) == single, "the results differ from one process's"
+
+    # the killed worker's trial: failed as reaped, and taken up again exactly once
+    reaped, retried = [], []
+    for study in storage.get_all_studies():
+        if study.study_name.startswith("autosoft-"):
+            continue
+        trials = storage.get_all_trials(study._study_id, deepcopy=False)
+        for t in trials:
+            if t.user_attrs.get("worker") == victim[1] and "reaped_by" in t.user_attrs:
+                reaped.append(t.number)
+                again = [u for u in trials if u.user_attrs.get("retry_of") == t.number]
+                retried.append(len(again))
+                assert all(u.state.name == "COMPLETE" or "status" in u.user_attrs for u in again)
+    assert reaped and retried == [1] * len(reaped)
+    taken_over = [r for r in results if r["generation"] > 0]
+    assert taken_over, "the killed worker's problem was finished by another worker"
+
+    listed = run_cli(["list", "--storage", url])
+    assert listed.returncode == 0 and "40 results" in listed.stdout
+    shipped = tmp_path / "ship.sqlite"
+    collected = run_cli(["collect", "--storage", url, "--cache", shipped])
+    assert collected.returncode == 0 and "40 entries; 40 written" in collected.stdout, collected.stderr
+    from autosoft.cache import Cache
+
+    assert {(e.key.shape, e.key.dtype): e.variant_name for e in Cache(shipped).entries()} == {
+        (k[1], k[2]): v[0] for k, v in single.items()}
+
+
+def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
+    ray = pytest.importorskip("ray")
+    six = FORTY[8:14]
+    spec = BatchSpec(problems=tuple(six), trials=TRIALS, cache=str(tmp_path / "k.sqlite"),
+                     storage=f"journal://{tmp_path / 'k-studies.log'}", fresh=True, replay=str(RECORDING))
+    ray.init(num_cpus=3, num_gpus=3, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        result = run_batch(spec, use_ray=True)
+    finally:
+        ray.shutdown()
+    assert not result.missing and not result.failed_workers
+    assert winners(result.results) == {k: v for k, v in single.items() if k in winners(result.results)}
+    assert len({r["worker"] for r in result.results}) >= 2, "the problems were shared between the Ray workers"
+    assert all(r["gpu"].startswith("ray:") for r in result.results)
