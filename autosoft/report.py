@@ -13,8 +13,8 @@ compile against evaluation time where the store records the split. Across proble
 GB/s against the copy bandwidth measured in the same tune (and torch/Triton from benchmarks)
 for memory-bound families, TFLOP/s for compute-bound ones, and a summary table.
 
-Storage URLs: anything optuna.storages.RDBStorage accepts (`sqlite:///path`, `postgresql://...`),
-or a journal file: `journal:///path` or a plain path ending in `.log` / `.journal`.
+Storage URLs: those of autosoft.storage.open_storage (`sqlite:///path`, a journal file `journal:///path`
+or a plain path ending in `.log` / `.journal`, `postgresql://...`), opened without changing anything.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from .cache import Cache, Entry, default_cache_path
 from .errors import UserError, one_line
 from .families import get_family
 from .families.base import Family, Problem, Target
+from .storage import open_storage
 
 STATUSES = ("ok", "compile_fail", "launch_fail", "timeout", "wrong", "invalid")
 STATUS_COLORS = {"ok": "#2ca02c", "compile_fail": "#ff7f0e", "launch_fail": "#d62728", "timeout": "#9467bd",
@@ -145,61 +146,6 @@ def _parse_study_name(name: str) -> tuple[str, str, str, str, str, str] | None:
         return None
     family, dtype, shape, *gpu, cc, nvrtc, _t, _s = parts
     return family, dtype, shape, "/".join(gpu), cc, nvrtc
-
-
-def _journal_path(url: str) -> Path | None:
-    if url.startswith("journal://"):
-        return Path(urllib.parse.unquote(url[len("journal://"):])).expanduser()
-    if "://" not in url and url.endswith((".log", ".journal")):
-        return Path(url).expanduser()
-    return None
-
-
-def open_storage(url: str) -> Any:
-    """An Optuna storage for `url`, opened without creating or changing anything; UserError when it
-    cannot be opened (a missing file, a file that is not an Optuna storage, a server that refuses)."""
-    import optuna
-
-    journal = _journal_path(url)
-    if journal is not None:
-        if not journal.is_file():
-            raise UserError(f"storage {url}: no such journal file")
-        from optuna.storages import JournalStorage
-        try:
-            from optuna.storages.journal import JournalFileBackend as backend
-        except ImportError:  # optuna < 4.0
-            from optuna.storages import JournalFileStorage as backend  # type: ignore[no-redef]
-        try:
-            return JournalStorage(backend(str(journal)))
-        except Exception as exc:  # noqa: BLE001 - any parse error of the file is "cannot be opened"
-            raise UserError(f"storage {url}: not an Optuna journal ({one_line(exc)[:120]})") from None
-    if url.startswith("sqlite:///"):
-        path = Path(urllib.parse.unquote(url[len("sqlite:///"):].split("?")[0])).expanduser()
-        # Optuna would create a missing file or an empty database's tables: check first, read-only
-        if not path.is_file():
-            raise UserError(f"storage {url}: no such file (autosoft tune writes <cache stem>-studies.sqlite "
-                            "beside the cache)")
-        try:
-            uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
-            conn = sqlite3.connect(uri, uri=True)
-            try:
-                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            finally:
-                conn.close()
-        except sqlite3.DatabaseError as exc:
-            raise UserError(f"storage {url}: unreadable ({one_line(exc)})") from None
-        if not {"studies", "trials"} <= tables:
-            raise UserError(f"storage {url}: not an Optuna storage (no studies table)")
-    try:
-        return optuna.storages.RDBStorage(url, skip_table_creation=True)
-    except TypeError:  # an optuna without skip_table_creation
-        pass
-    except Exception as exc:  # noqa: BLE001 - SQLAlchemy, driver and URL errors alike
-        raise UserError(f"storage {url}: cannot be opened ({one_line(exc)[:160]})") from None
-    try:
-        return optuna.storages.RDBStorage(url)
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"storage {url}: cannot be opened ({one_line(exc)[:160]})") from None
 
 
 def _cache_trials(cache: Cache) -> dict[tuple[str, str, str, str], list[Trial]]:

@@ -34,6 +34,7 @@ from .runners import GpuRunner, Pending, Runner
 from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
 from .space import ParamValue
+from .storage import default_storage_url
 from .worker import Watchdog
 
 _WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
@@ -77,7 +78,7 @@ def launches_text(variant: Variant) -> str:
 
 
 def study_storage(cache: Cache) -> str:
-    return f"sqlite:///{cache.path.parent / (cache.path.stem + '-studies.sqlite')}"
+    return default_storage_url(cache.path, 1)
 
 
 def study_name(family: Family, problem: Problem, device: DeviceInfo) -> str:

@@ -5,6 +5,12 @@ from functools import lru_cache
 
 import pytest
 
+import postgres
+
+# the fixtures of tests/postgres.py (a PostgreSQL server for the session), for any test
+postgres_server = postgres.postgres_server
+postgres_url = postgres.postgres_url
+
 
 @lru_cache(maxsize=1)
 def gpu_available() -> bool:
