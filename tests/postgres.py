@@ -30,12 +30,16 @@ RUN_AS = "nobody"  # the user the server runs as when the tests run as root
 
 
 def find_binaries() -> tuple[str, str] | None:
-    """initdb and pg_ctl: from PATH, else from the newest /usr/lib/postgresql/VERSION/bin (Debian's place)."""
+    """initdb and pg_ctl: from PATH, else from the newest /usr/lib/postgresql/VERSION/bin (Debian's place),
+    else those the `pgserver` wheel bundles (a machine with no package registry can carry that wheel)."""
     initdb, pg_ctl = shutil.which("initdb"), shutil.which("pg_ctl")
     if initdb and pg_ctl:
         return initdb, pg_ctl
     folders = sorted(glob.glob("/usr/lib/postgresql/*/bin"),
                      key=lambda p: [int(x) if x.isdigit() else -1 for x in Path(p).parent.name.split(".")])
+    spec = importlib.util.find_spec("pgserver")
+    if spec is not None and spec.submodule_search_locations:
+        folders += [os.path.join(spec.submodule_search_locations[0], "pginstall", "bin")]
     for folder in reversed(folders):
         initdb, pg_ctl = os.path.join(folder, "initdb"), os.path.join(folder, "pg_ctl")
         if os.access(initdb, os.X_OK) and os.access(pg_ctl, os.X_OK):

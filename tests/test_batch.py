@@ -228,16 +228,31 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
 
 
 def _running_worker_pid(storage) -> tuple[int, str] | None:
-    """The pid and id of a live worker evaluating a trial right now, from the storage."""
+    """The pid and id of a live worker caught in the middle of evaluating a trial, from the
+    storage: a claim 30-150 ms old (a replayed evaluation takes 250 ms; a claim lost to another
+    worker is withdrawn within milliseconds, so it is never mistaken for one)."""
+    from datetime import datetime
+
     snap = Board(storage).snapshot()
+    now = datetime.now()
     for study in storage.get_all_studies():
         if study.study_name.startswith("autosoft-"):
             continue
         for t in storage.get_all_trials(study._study_id, deepcopy=False):
             worker = t.user_attrs.get("worker")
-            if t.state.name == "RUNNING" and worker and snap.is_live(worker):
+            if (t.state.name == "RUNNING" and worker and snap.is_live(worker) and t.datetime_start is not None
+                    and 0.03 < (now - t.datetime_start).total_seconds() < 0.15):
                 return int(snap.workers[worker]["pid"]), worker
     return None
+
+
+def _running_trials_of(storage, worker: str) -> list[int]:
+    out = []
+    for study in storage.get_all_studies():
+        if not study.study_name.startswith("autosoft-"):
+            out += [t.number for t in storage.get_all_trials(study._study_id, deepcopy=False)
+                    if t.state.name == "RUNNING" and t.user_attrs.get("worker") == worker]
+    return out
 
 
 def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_once(single, postgres_server,
@@ -248,10 +263,10 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     cache = tmp_path / "k.sqlite"
     proc = subprocess.Popen(
         [sys.executable, "-m", "autosoft", "tune", "--problems", str(problems), "--replay", str(RECORDING),
-         "--replay-delay", "0.02", "--trials", str(TRIALS), "--cache", str(cache), "--storage", url,
+         "--replay-delay", "0.25", "--trials", str(TRIALS), "--cache", str(cache), "--storage", url,
          "--gpus", "0,1,2,3,4,5,6,7"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "AUTOSOFT_LEASE_SECONDS": "4"})
-    storage = open_storage(url)
+    storage = open_storage(url, create=True)  # the workers may not have made the tables yet
     victim = None
     deadline = time.time() + 300
     while victim is None and time.time() < deadline and proc.poll() is None:
@@ -260,6 +275,7 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
         time.sleep(0.2)
     assert victim is not None, "no worker was caught mid-trial"
     os.kill(victim[0], signal.SIGKILL)
+    left_running = _running_trials_of(storage, victim[1])  # what the killed worker was evaluating
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     assert "ended with signal 9" in err
@@ -282,7 +298,7 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
                 again = [u for u in trials if u.user_attrs.get("retry_of") == t.number]
                 retried.append(len(again))
                 assert all(u.state.name == "COMPLETE" or "status" in u.user_attrs for u in again)
-    assert reaped and retried == [1] * len(reaped)
+    assert left_running and sorted(reaped) == sorted(left_running) and retried == [1] * len(reaped)
     taken_over = [r for r in results if r["generation"] > 0]
     assert taken_over, "the killed worker's problem was finished by another worker"
 
