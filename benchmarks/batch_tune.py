@@ -43,6 +43,8 @@ def entries(cache_path: Path) -> dict[str, dict]:
 
 
 def commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # the device machine's copy has no .git
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True).stdout.strip() or "unknown"
