@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     title="families")
     for family in families().values():
         doc = (type(family).__doc__ or family.name).strip().splitlines()[0]
-        p = by_family.add_parser(family.name, help=doc, description=doc,
+        p = by_family.add_parser(family.name, help=doc, description=doc, prog=f"autosoft tune {family.name}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         problem_args(p, family, many=True)
         tune_args(p, family)
@@ -162,7 +162,7 @@ def problem_args(p: argparse.ArgumentParser, family: Family, many: bool = False)
         p.add_argument("--shape", required=True, action="append",
                        help=f"problem shape: {family.shape_help} (repeatable)")
         p.add_argument("--dtype", action="append", default=None,
-                       help=f"one of {', '.join(family.dtypes)} (repeatable; default {family.default_dtype})")
+                       help=f"one of {', '.join(family.dtypes)}, default {family.default_dtype} (repeatable)")
     else:
         p.add_argument("--shape", required=True, help=f"problem shape: {family.shape_help}")
         p.add_argument("--dtype", default=family.default_dtype,

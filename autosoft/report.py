@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .board import is_board_study
 from .cache import Cache, Entry, default_cache_path
 from .errors import UserError, one_line
 from .families import get_family
@@ -140,7 +141,10 @@ def _require_libraries() -> None:
 
 
 def _parse_study_name(name: str) -> tuple[str, str, str, str, str, str] | None:
-    """family/dtype/shape/gpu/cc/nvrtc/tdigest/sdigest (tune.study_name); the GPU name may hold '/'."""
+    """family/dtype/shape/gpu/cc/nvrtc/tdigest/sdigest (tune.study_name); the GPU name may hold '/'.
+    None for any other study, a batch's board included (board.py)."""
+    if is_board_study(name):
+        return None
     parts = name.split("/")
     if len(parts) < 8:
         return None

@@ -207,6 +207,10 @@ def test_journal_workers_of_one_host_equal_one_process_and_resume_does_nothing(s
         trials = storage.get_all_trials(studies[name]._study_id)
         assert sum("status" in t.user_attrs for t in trials) == 40, "resume evaluated nothing again"
 
+    report = run_cli(["report", "--storage", f"journal://{tmp_path / 'k-studies.log'}", "--cache", cache,
+                      "-o", tmp_path / "report"])
+    assert report.returncode == 0 and "for 8 problems" in report.stdout, report.stderr  # the board is no problem
+
 
 def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
     cases = {
