@@ -374,7 +374,7 @@ def run_batch(spec: BatchSpec, *, gpus: Sequence[str] | None = None, ray_address
         if use_ray:
             from .ray_workers import run_on_ray
 
-            failed = run_on_ray(spec, ray_address, tick=monitor.tick)
+            failed = run_on_ray(spec, ray_address, run_worker, tick=monitor.tick)
         elif gpus is None:
             _in_process(spec, monitor)
         else:

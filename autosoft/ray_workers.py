@@ -25,21 +25,21 @@ def _ray() -> Any:
     return ray
 
 
-def _task(spec: Any) -> dict[str, Any]:
-    """One worker on the GPU Ray gave this task; what it did."""
+def _task(spec: Any, run_worker: Callable[..., Any]) -> dict[str, Any]:
+    """One worker (batch.run_worker, passed in: this module does not import batch.py, which
+    imports it) on the GPU Ray gave this task; what it did."""
     import ray
-
-    from .batch import run_worker
 
     gpus = ",".join(str(g) for g in ray.get_gpu_ids())
     summary = run_worker(spec, label=f"ray:{gpus}")
     return {"worker": summary.worker, "owned": summary.owned, "helped": summary.helped, "trials": summary.trials}
 
 
-def run_on_ray(spec: Any, address: str | None, *, tick: Callable[[], Any] = lambda: None,
-               gpus: int | None = None) -> list[str]:
-    """Start one worker per GPU of the Ray cluster at `address` (None: RAY_ADDRESS, or a local
-    cluster of this machine's GPUs), draw with `tick` about once a second until all end.
+def run_on_ray(spec: Any, address: str | None, run_worker: Callable[..., Any], *,
+               tick: Callable[[], Any] = lambda: None, gpus: int | None = None) -> list[str]:
+    """Start one worker, run_worker(spec, label=...), per GPU of the Ray cluster at `address`
+    (None: RAY_ADDRESS, or a local cluster of this machine's GPUs), draw with `tick` about once a
+    second until all end.
     `gpus`: how many workers (default: every GPU the cluster has). Returns the workers that
     failed, each as 'ray:<n>: <error>'."""
     ray = _ray()
@@ -52,7 +52,7 @@ def run_on_ray(spec: Any, address: str | None, *, tick: Callable[[], Any] = lamb
     if count < 1:
         raise UserError("--ray: the cluster has no GPU (ray status shows its resources)")
     task = ray.remote(num_gpus=1, max_retries=0)(_task)
-    refs = {task.remote(spec): n for n in range(count)}
+    refs = {task.remote(spec, run_worker): n for n in range(count)}
     pending = list(refs)
     failed: list[str] = []
     while pending:
