@@ -238,14 +238,13 @@ def _running_worker_pid(storage) -> tuple[int, str] | None:
     from datetime import datetime
 
     snap = Board(storage).snapshot()
-    now = datetime.now()
     for study in storage.get_all_studies():
         if study.study_name.startswith("autosoft-"):
             continue
         for t in storage.get_all_trials(study._study_id, deepcopy=False):
             worker = t.user_attrs.get("worker")
             if (t.state.name == "RUNNING" and worker and snap.is_live(worker) and t.datetime_start is not None
-                    and 0.03 < (now - t.datetime_start).total_seconds() < 0.15):
+                    and 0.03 < (datetime.now() - t.datetime_start).total_seconds() < 0.15):
                 return int(snap.workers[worker]["pid"]), worker
     return None
 
@@ -305,6 +304,12 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     assert left_running and sorted(reaped) == sorted(left_running) and retried == [1] * len(reaped)
     taken_over = [r for r in results if r["generation"] > 0]
     assert taken_over, "the killed worker's problem was finished by another worker"
+    shared = 0
+    for study in storage.get_all_studies():
+        if not study.study_name.startswith("autosoft-"):
+            measured = [t for t in storage.get_all_trials(study._study_id, deepcopy=False) if "status" in t.user_attrs]
+            shared += len({t.user_attrs.get("worker") for t in measured}) > 1
+    assert shared >= 2, "the last problems' trials were shared by the workers that had nothing left to claim"
 
     listed = run_cli(["list", "--storage", url])
     assert listed.returncode == 0 and "40 results" in listed.stdout
