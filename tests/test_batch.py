@@ -10,6 +10,7 @@ with logical GPUs where the extra is installed.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -232,21 +233,32 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
 
 
 def _running_worker_pid(storage) -> tuple[int, str] | None:
-    """The pid and id of a live worker caught in the middle of evaluating a trial, from the
-    storage: a claim 30-150 ms old (a replayed evaluation takes 250 ms; a claim lost to another
-    worker is withdrawn within milliseconds, so it is never mistaken for one)."""
-    from datetime import datetime
-
+    """The pid and id of a live worker with a trial running, from the storage."""
     snap = Board(storage).snapshot()
     for study in storage.get_all_studies():
         if study.study_name.startswith("autosoft-"):
             continue
         for t in storage.get_all_trials(study._study_id, deepcopy=False):
             worker = t.user_attrs.get("worker")
-            if (t.state.name == "RUNNING" and worker and snap.is_live(worker) and t.datetime_start is not None
-                    and 0.03 < (datetime.now() - t.datetime_start).total_seconds() < 0.15):
+            if t.state.name == "RUNNING" and worker and snap.is_live(worker):
                 return int(snap.workers[worker]["pid"]), worker
     return None
+
+
+def _kill_mid_trial(storage) -> tuple[tuple[int, str], list[int]] | None:
+    """SIGKILL a worker caught evaluating a trial: stopped first (SIGSTOP), then killed only if the
+    storage shows a trial of its running while it cannot move, else let go. Returns the worker
+    and the numbers of the trials it left running."""
+    found = _running_worker_pid(storage)
+    if found is None:
+        return None
+    os.kill(found[0], signal.SIGSTOP)
+    left = _running_trials_of(storage, found[1])
+    if not left:
+        os.kill(found[0], signal.SIGCONT)
+        return None
+    os.kill(found[0], signal.SIGKILL)
+    return found, left
 
 
 def _running_trials_of(storage, worker: str) -> list[int]:
@@ -270,15 +282,14 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
          "--gpus", "0,1,2,3,4,5,6,7"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "AUTOSOFT_LEASE_SECONDS": "4"})
     storage = open_storage(url, create=True)  # the workers may not have made the tables yet
-    victim = None
+    killed = None
     deadline = time.time() + 300
-    while victim is None and time.time() < deadline and proc.poll() is None:
+    while killed is None and time.time() < deadline and proc.poll() is None:
         if len(stored_results(storage)) >= 5:
-            victim = _running_worker_pid(storage)
+            killed = _kill_mid_trial(storage)
         time.sleep(0.2)
-    assert victim is not None, "no worker was caught mid-trial"
-    os.kill(victim[0], signal.SIGKILL)
-    left_running = _running_trials_of(storage, victim[1])  # what the killed worker was evaluating
+    assert killed is not None, "no worker was caught mid-trial"
+    victim, left_running = killed
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     assert "ended with signal 9" in err
@@ -337,3 +348,77 @@ def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
     assert winners(result.results) == {k: v for k, v in single.items() if k in winners(result.results)}
     assert len({r["worker"] for r in result.results}) >= 2, "the problems were shared between the Ray workers"
     assert all(r["gpu"].startswith("ray:") for r in result.results)
+
+
+def test_an_interrupted_batch_resumes_where_it_stopped(tmp_path):
+    three = FORTY[:3]
+    problems = tmp_path / "problems.yaml"
+    write_problems(problems, three)
+    cache = tmp_path / "k.sqlite"
+    args = [sys.executable, "-m", "autosoft", "tune", "--problems", str(problems), "--replay", str(RECORDING),
+            "--trials", str(TRIALS), "--cache", str(cache)]
+    proc = subprocess.Popen(args + ["--replay-delay", "0.03"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    storage_url = f"sqlite:///{tmp_path / 'k-studies.sqlite'}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.3)
+        try:
+            if len(stored_results(open_storage(storage_url))) >= 1:
+                break
+        except Exception:  # noqa: BLE001 - not created yet
+            pass
+    time.sleep(0.5)  # into the second problem
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    done_before = len(stored_results(open_storage(storage_url)))
+    assert 1 <= done_before < 3
+
+    again = run_cli(args[3:] + ["--resume"])
+    assert again.returncode == 0, again.stderr
+    storage = open_storage(storage_url)
+    assert len(stored_results(storage)) == 3
+    for study in storage.get_all_studies():
+        if not study.study_name.startswith("autosoft-"):
+            measured = [t for t in storage.get_all_trials(study._study_id) if "status" in t.user_attrs]
+            points = [json.dumps(t.params, sort_keys=True) for t in measured]
+            assert len(points) == len(set(points)) == 40, "a point was measured twice, or one was lost"
+
+
+def test_the_progress_display_on_a_terminal(tmp_path):
+    """On a terminal: a bar of problems done with the problems in progress, their trial and best."""
+    import io
+
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from autosoft.batch import Monitor
+    from autosoft.families.base import Target
+    from autosoft.runtime import DeviceInfo
+    from autosoft.tune import study_name
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    storage = journal(tmp_path, "display.log")
+    two = FORTY[:2]
+    board = Board(storage, lease_s=30)
+    board.join()
+    try:
+        name = study_name(SOFTMAX, two[0], DeviceInfo(0, Target.for_arch("90"), "13.0"))
+        board.claim(name, board.snapshot())
+        study = storage.create_new_study([optuna.study.StudyDirection.MINIMIZE], name)
+        storage.create_new_trial(study, template_trial=create_trial(
+            params={"x": 1}, distributions={"x": CategoricalDistribution([1, 2])}, value=7.5,
+            state=TrialState.COMPLETE, user_attrs={"worker": board.worker, "status": "ok"}))
+        screen = Terminal()
+        monitor = Monitor(storage, two, 40, stream=screen)
+        monitor.tick()
+        monitor.close()
+        shown = screen.getvalue()
+        assert "0/2" in shown and f"softmax {two[0].shape_text} {two[0].dtype} 1/40 best 7.50 us" in shown, shown
+    finally:
+        board.leave()

@@ -275,3 +275,29 @@ def test_a_record_file_that_cannot_be_written_warns_once_and_the_call_goes_on(lo
         warnings.simplefilter("error")
         Dispatcher().loaded(problem, 0)  # warned once for this problem
     assert bad.read_text() == "not a problems file\n"
+
+
+def test_a_recorded_file_is_what_a_batch_tune_tunes(loading, tmp_path, monkeypatch):
+    """A program's calls recorded, then `autosoft tune --problems` on the record (replaying the
+    H200 recording): exactly the recorded problems are tuned."""
+    import subprocess
+    import sys
+
+    from autosoft.batch import stored_results
+    from autosoft.storage import open_storage
+
+    record = tmp_path / "recorded.yaml"
+    monkeypatch.setenv("AUTOSOFT_RECORD", str(record))
+    called = [SOFTMAX.problem("4096x128", "float16"), SOFTMAX.problem("65536x64", "bfloat16")]
+    d = Dispatcher()
+    for problem in called + called:
+        d.loaded(problem, 0)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "autosoft", "tune", "--problems", str(record), "--trials", "60",
+                           "--replay", str(repo / "benchmarks/results/softmax_h200.sqlite"),
+                           "--cache", str(tmp_path / "k.sqlite")], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = stored_results(open_storage(f"sqlite:///{tmp_path / 'k-studies.sqlite'}"))
+    assert sorted((r["problem"]["shape"], r["problem"]["dtype"]) for r in results) == [
+        ("4096x128", "float16"), ("65536x64", "bfloat16")]
