@@ -30,10 +30,11 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import zlib
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence, TextIO
 
-from .board import Board, Snapshot
+from .board import Board, Snapshot, lease_seconds
 from .cache import Cache, CacheKey, Entry
 from .errors import UserError, one_line
 from .families import get_family
@@ -242,8 +243,9 @@ def _help(spec: BatchSpec, todo: Sequence[tuple[Problem, str]], snap: Snapshot, 
         except KeyError:
             continue  # its holder has not opened the study yet
         runner = runners.get(problem)
+        helper_seed = spec.seed + 1 + zlib.crc32(board.worker.encode()) % 10007  # its own suggestions
         family, device, search, ledger = _open(spec, problem, runner, cache, storage, board, resume=True,
-                                               seed=spec.seed + 1 + len(board.worker) % 97)
+                                               seed=helper_seed)
         if ledger.default is None or search.spent() >= spec.trials or search.exhausted:
             continue
         timeout_s = spec.watchdog.limit(ledger.default.outcome.time_us, evaluation_launches(family))
@@ -364,6 +366,8 @@ def run_batch(spec: BatchSpec, *, gpus: Sequence[str] | None = None, ray_address
     `gpus`, or one Ray task per GPU of the cluster (use_ray). Returns the results of the
     batch's problems as the board holds them at the end."""
     start = time.perf_counter()
+    if spec.lease_s is None:  # decided here: a worker on another host or in Ray gets the same
+        spec = replace(spec, lease_s=lease_seconds())
     storage = open_storage(spec.storage, create=True)
     if spec.fresh:
         wanted = {Monitor._ident_of_problem(p) for p in spec.problems}
