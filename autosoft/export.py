@@ -5,11 +5,8 @@ The launcher is generated from the variant's Launch records and from the kernels
 parsed out of the rendered source, so no family has to declare its C types twice."""
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import secrets
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +18,7 @@ from . import __version__
 from .cache import Entry
 from .errors import UserError
 from .families.base import Launch, Variant
+from .files import replace_text
 
 # past this much dynamic shared memory a kernel must opt in before its launch (the default limit)
 DEFAULT_DYNAMIC_SMEM = 48 * 1024
@@ -242,25 +240,11 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def write_atomically(output: Path, text: str) -> None:
-    """Write text to output through a temporary file in the same folder and os.replace, so a failure
-    (disk full, interrupted) never leaves a half-written file; OSError becomes a one-line UserError."""
+    """Write text to output whole or not at all (files.replace_text), through a symbolic link as
+    open() would; OSError becomes a one-line UserError."""
     target = output.resolve() if output.is_symlink() else output  # write through a link, as open() would
-    tmp: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        with contextlib.suppress(FileNotFoundError):  # replacing a file: keep its permissions
-            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
-        os.replace(tmp, target)
-        tmp = None
+        replace_text(target, text)
     except OSError as exc:
         raise UserError(f"-o {output}: cannot write ({exc.strerror or exc}); choose another -o") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink()

@@ -36,8 +36,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import secrets
-import stat
 import threading
 import warnings
 from pathlib import Path
@@ -46,6 +44,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from .errors import UserError, one_line
+from .files import replace_text
 from .families import get_family
 from .families.base import Family, OptionValue, Problem, ProblemOption
 
@@ -218,7 +217,7 @@ def write_problems(path: str | os.PathLike[str], problems: Iterable[Problem]) ->
             merged = list(dict.fromkeys(held + new))
             if len(merged) == len(held):
                 return  # nothing new: the file stays as it is (or absent)
-            _replace(target, _HEADER + _dump(merged))
+            replace_text(target, _HEADER + _dump(merged))
     except OSError as exc:
         raise UserError(f"{name}: cannot write ({exc.strerror or one_line(exc)})") from None
 
@@ -237,25 +236,6 @@ def _locked(lock_path: Path):
         if fcntl is not None:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
         yield
-
-
-def _replace(target: Path, text: str) -> None:
-    """Write text through a temporary file in the same folder, then os.replace."""
-    tmp: Path | None = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        with contextlib.suppress(FileNotFoundError):  # replacing a file: keep its permissions
-            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
-        os.replace(tmp, target)
-        tmp = None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
 
 # --- recording ----------------------------------------------------------------------------
