@@ -24,7 +24,6 @@ shows the progress of the whole batch, and draws it with tqdm (Optuna's own depe
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -158,8 +157,9 @@ def run_worker(spec: BatchSpec, label: str = "", stop: threading.Event | None = 
                 lease = None
                 continue
             helped = _help(spec, todo, snap, board, runners, cache, storage)
-            if helped:
-                summary.trials += helped
+            if helped is not None:
+                summary.helped.append(problem_text(helped[0]))
+                summary.trials += helped[1]
                 continue
             time.sleep(spec.poll_s)
     finally:
@@ -229,9 +229,10 @@ def _own(spec: BatchSpec, problem: Problem, lease: Any, board: Board, runner: Ru
 
 
 def _help(spec: BatchSpec, todo: Sequence[tuple[Problem, str]], snap: Snapshot, board: Board,
-          runners: _Runners, cache: Cache, storage: Any) -> int:
+          runners: _Runners, cache: Cache, storage: Any) -> tuple[Problem, int] | None:
     """Measure trials of a problem another live worker holds (longest first, with its default
-    measured and trials left); the number measured, 0 when there was none to help."""
+    measured and trials left): that problem and the number measured, None when there was none
+    to help."""
     from .tune import evaluation_launches, run_trials
 
     for problem, name in todo:
@@ -252,8 +253,8 @@ def _help(spec: BatchSpec, todo: Sequence[tuple[Problem, str]], snap: Snapshot, 
         before = len(ledger.measured)
         run_trials(family, problem, device.target, runner, search, ledger, spec.trials, spec.seed, timeout_s)
         if len(ledger.measured) > before:
-            return len(ledger.measured) - before
-    return 0
+            return problem, len(ledger.measured) - before
+    return None
 
 
 # --- results ------------------------------------------------------------------------------------
@@ -480,7 +481,3 @@ def result_summary(record: Mapping[str, Any]) -> dict[str, Any]:
             "copy_time_us": entry.get("copy_time_us"), "variant": entry.get("variant_name", ""),
             "gpu_name": (entry.get("key") or {}).get("gpu_name", ""), "host": record.get("host", ""),
             "trials": record.get("trials", 0), "seconds": record.get("seconds", 0.0)}
-
-
-def dumps(results: Sequence[Mapping[str, Any]]) -> str:
-    return json.dumps(list(results), indent=1, sort_keys=True)
