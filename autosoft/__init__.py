@@ -3,6 +3,7 @@
     import autosoft
     y = autosoft.softmax(x)                     # softmax over the last dim (CuPy or CUDA torch)
     o = autosoft.attention(q, k, v, causal=True)  # flash-attention forward, (B, H, N, D)
+    o, colsum = autosoft.attention_colsum(q, k, v, split)  # and every other family's function
     autosoft.load_cache("tuned.sqlite")
 """
 from __future__ import annotations
@@ -13,3 +14,22 @@ from .api import attention, load_cache, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
 
 __all__ = ["softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    """autosoft.<family>: the Python function of a family declared in its own module
+    (attention_colsum, plug-in families), built on first use."""
+    if not name.startswith("_"):
+        from .api import family_function
+
+        try:
+            return family_function(name)
+        except LookupError:
+            pass
+    raise AttributeError(f"module 'autosoft' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    from .families import families
+
+    return sorted(set(globals()) | {n for n, f in families().items() if f.has_python_call})

@@ -1,14 +1,22 @@
 """The Python API: one short function per family over the generic array layer (arrays.call_family),
-and load_cache for tuned kernels from another machine."""
+and load_cache for tuned kernels from another machine.
+
+softmax and attention are written out here; any other family that declares a Python function
+(`Family.python_call`) is served as `autosoft.<name>` by `family_function`, with that method's
+signature and docstring, so a new family adds its function in its own module.
+"""
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from .arrays import call_family
 from .dispatch import DISPATCHER
+from .errors import UserError
+from .families import get_family
 
 
 def softmax(x: Any) -> Any:
@@ -41,3 +49,27 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
 def load_cache(path: str) -> int:
     """Use the tuned kernels of a cache file from another machine; returns the number of entries."""
     return DISPATCHER.load_cache(path)
+
+
+@functools.lru_cache(maxsize=None)
+def family_function(name: str) -> Callable[..., Any]:
+    """autosoft.<name>: the Python function of the family `name`, built from its python_call.
+    LookupError where no family of that name declares one."""
+    try:
+        family = get_family(name)
+    except UserError:
+        raise LookupError(f"no family {name!r}") from None
+    if not family.has_python_call:
+        raise LookupError(f"the {name} family declares no Python function")
+    python_call, outputs = family.python_call, family.outputs
+
+    @functools.wraps(python_call)
+    def function(*args: Any, **kwargs: Any) -> Any:
+        call = python_call(*args, **kwargs)
+        results = dict(zip(outputs, call_family(name, call.arrays, options=call.options, scalars=call.scalars)))
+        picked = tuple(results[n] for n in call.returns)
+        return picked[0] if len(picked) == 1 else picked
+
+    function.__name__ = function.__qualname__ = name
+    function.__module__ = "autosoft"
+    return function

@@ -107,7 +107,7 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
         raise TypeError(f"{who}: unsupported dtype {arrays[0].dtype}; use {' or '.join(family.dtypes)}")
     device = fw.device(arrays[0])
     shapes = {n: tuple(int(s) for s in a.shape) for n, a in zip(array_names, arrays)}
-    outputs = family.caller_outputs(shapes, dtype)
+    outputs = family.caller_outputs(shapes, dtype, options)
     if any(fw.size(a) == 0 for a in arrays):
         def empty(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
             return tuple(fw.empty(shape, dt, device, 0) for shape, dt in outputs.values())

@@ -71,12 +71,13 @@ def render(template: str, args: Mapping[str, Any], root: str | None = None) -> s
     return environment(root).get_template(template).render(**args)
 
 
-def template_digest(template: str, root: str | None = None) -> str:
+def template_digest(template: str, root: str | None = None, also: tuple[str, ...] = ()) -> str:
     """sha256 of every template file a render of `template` can read: editing any of them retires
     the cache entries made with the old text.
 
-    The rule: the template and the files `*.j2` directly in its own folder and directly in the
-    root's `common/` folder (where there is one), sorted by their path under the root, each fed to the
+    The rule: the template and the files `*.j2` directly in its own folder, directly in the
+    root's `common/` folder (where there is one) and directly in the folders `also` names (a
+    family that extends another family's kernel names that family's folder), sorted by their path under the root, each fed to the
     hash as its path, its length and its bytes. Folders rather than the names a template names,
     because includes choose files by parameter at render time ("softmax/storage_" ~ storage),
     which no reading of the template resolves.
@@ -86,7 +87,7 @@ def template_digest(template: str, root: str | None = None) -> str:
     computed on the first call of every process.
     """
     base = Path(root) if root else templates_dir()
-    folders = _covered_folders(template, base)
+    folders = _covered_folders(template, base, also)
     found = {name for folder in folders for name in _templates_in(base, folder)}
     if template not in found:  # a template not named *.j2 is hashed too; a missing one fails as in render
         environment(root).get_template(template)
@@ -99,21 +100,28 @@ def template_digest(template: str, root: str | None = None) -> str:
     return digest.hexdigest()
 
 
-def check_references(template: str, root: str | None = None) -> None:
+def check_references(template: str, root: str | None = None, also: tuple[str, ...] = ()) -> None:
     """Raise jinja2.TemplateError unless every include, import or extends in the files that
     template_digest covers names a covered file, or is computed from a constant prefix
     "folder/..." whose folder is covered (the computed rest is a search-space value, which holds
     no "/"): then the digest covers every file a render can read."""
     base = Path(root) if root else templates_dir()
-    folders = _covered_folders(template, base)
+    folders = _covered_folders(template, base, also)
     names = tuple(sorted({name for folder in folders for name in _templates_in(base, folder)} | {template}))
     _check_references(root, folders, names)
 
 
-def _covered_folders(template: str, base: Path) -> tuple[str, ...]:
-    """The template's own folder ("" for the root itself), then common/ where the root has one."""
+def _covered_folders(template: str, base: Path, also: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The template's own folder ("" for the root itself), common/ where the root has one, then
+    the folders in `also`, each once."""
     own = template.rpartition("/")[0]
-    return (own, COMMON) if own != COMMON and (base / COMMON).is_dir() else (own,)
+    folders = [own]
+    for folder in ((COMMON,) if (base / COMMON).is_dir() else ()) + tuple(also):
+        if folder not in folders:
+            if not (base / folder).is_dir():
+                raise jinja2.TemplateNotFound(f"{folder}/ (a template folder {template} reads)")
+            folders.append(folder)
+    return tuple(folders)
 
 
 def _templates_in(base: Path, folder: str) -> Iterator[str]:
@@ -133,7 +141,8 @@ def _check_references(root: str | None, folders: tuple[str, ...], names: tuple[s
                 spelled = repr(target) if exact else f"a name computed from {target!r}"
                 raise jinja2.TemplateError(
                     f"{name} reads {spelled}, which the template digest would not cover: "
-                    f"templates may include only files of their own folder and of {COMMON}/")
+                    f"templates may include only files of their own folder, of {COMMON}/ and of the "
+                    "folders their family declares in template_folders")
 
 
 def _references(env: jinja2.Environment, name: str, source: str) -> Iterator[tuple[str, bool]]:

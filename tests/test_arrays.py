@@ -57,7 +57,7 @@ def test_host_arrays_to_attention_are_a_type_error_without_a_device(no_gpu_allow
 def test_softmax_problem_flattens_leading_dimensions():
     assert SOFTMAX.problem_for({"x": (2, 3, 5)}, "float16", {}).shape == (6, 5)
     assert SOFTMAX.problem_for({"x": (7,)}, "float32", {}).shape == (1, 7)
-    assert SOFTMAX.caller_outputs({"x": (2, 3, 5)}, "float16") == {"y": ((2, 3, 5), "float16")}
+    assert SOFTMAX.caller_outputs({"x": (2, 3, 5)}, "float16", {}) == {"y": ((2, 3, 5), "float16")}
     with pytest.raises(ValueError, match="scalar"):
         SOFTMAX.problem_for({"x": ()}, "float32", {})
     with pytest.raises(ValueError):
@@ -71,7 +71,7 @@ def test_attention_problem_needs_one_shape_and_carries_causal():
     problem = ATTENTION.problem_for(shapes, "bfloat16", {"causal": True})
     assert problem.shape == (1, 2, 77, 64) and problem.flags == ("causal",)
     assert ATTENTION.problem_for(shapes, "bfloat16", {"causal": False}).options == ()
-    assert ATTENTION.caller_outputs(shapes, "float16") == {"o": ((1, 2, 77, 64), "float16"),
+    assert ATTENTION.caller_outputs(shapes, "float16", {}) == {"o": ((1, 2, 77, 64), "float16"),
                                                            "lse": ((1, 2, 77), "float32")}
     with pytest.raises(ValueError, match="one shape"):
         ATTENTION.problem_for({**shapes, "k": (1, 2, 78, 64)}, "float16", {})

@@ -77,10 +77,11 @@ class AttentionFamily(Family):
                     options: Mapping[str, OptionValue]) -> Problem:
         q, k, v = (tuple(shapes[n]) for n in ("q", "k", "v"))
         if len(q) != 4 or k != q or v != q:
-            raise ValueError(f"autosoft.attention: q, k, v must be (B, H, N, D) arrays of one shape, got {q}, {k}, {v}")
+            raise ValueError(f"autosoft.{self.name}: q, k, v must be (B, H, N, D) arrays of one shape, got {q}, {k}, {v}")
         return super().problem_for(shapes, dtype, options)
 
-    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
         q = tuple(shapes["q"])
         return {"o": (q, dtype), "lse": (q[:3], "float32")}
 

@@ -23,8 +23,8 @@ from ..render import render, template_digest
 from ..space import ParamValue, SearchSpace, load_space
 
 __all__ = [
-    "DTYPES", "ITEMSIZE", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "Variant",
-    "build_variant", "family_template_digest", "is_valid", "space_of", "template_root", "valid_neighbours",
+    "DTYPES", "ITEMSIZE", "Call", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "Variant",
+    "build_variant", "family_template_digest", "is_valid", "space_of", "template_folders", "template_root", "valid_neighbours",
 ]
 
 OptionValue = bool | int | float
@@ -145,6 +145,17 @@ class Variant:
         return source_digest(self.source, self.target.arch)
 
 
+@dataclass(frozen=True)
+class Call:
+    """What a family's Python function (`Family.python_call`) asks of the array layer: its arrays in
+    the order of `Family.inputs`, its problem options, its run-time scalars (names from `inputs`)
+    and the names of the outputs the caller gets back, in order (one name: returned alone)."""
+    arrays: tuple[Any, ...]
+    options: Mapping[str, OptionValue]
+    scalars: Mapping[str, Any]
+    returns: tuple[str, ...]
+
+
 class Family(abc.ABC):
     """A kernel family: what it computes, its problems, how a point of its search space becomes
     CUDA source and launches, and how a result is checked.
@@ -163,6 +174,9 @@ class Family(abc.ABC):
     """The main template, relative to `template_root` (e.g. "softmax/softmax.cu.j2")."""
     template_root: ClassVar[Path | None] = None
     """Folder the template is found in; None: the package's templates/."""
+    template_folders: ClassVar[tuple[str, ...]] = ()
+    """Other folders under the same root whose templates this family's template reads, e.g. the
+    folder of a family whose kernel it extends: their files join its template digest."""
     space_file: ClassVar[Path | None] = None
     """The search-space YAML; None: the package's search_spaces/<name>.yaml."""
     inputs: ClassVar[tuple[str, ...]]
@@ -331,10 +345,23 @@ class Family(abc.ABC):
             raise ValueError(f"autosoft.{self.name}: {exc}") from None
 
     @abc.abstractmethod
-    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
         """Each output's (shape, dtype) as the caller receives it, from the shapes of the input
-        arrays alone (so that empty inputs get empty outputs without a Problem). Each holds as
-        many elements as the kernels' output_specs; softmax gives y the shape of x."""
+        arrays and the call's options alone (so that empty inputs get empty outputs without a
+        Problem). Each holds as many elements as the kernels' output_specs; softmax gives y the
+        shape of x."""
+
+    def python_call(self, *args: Any, **kwargs: Any) -> Call:
+        """The family's Python function, `autosoft.<name>(...)`, as the user calls it: check the
+        arguments and say what to run. A family that declares one overrides this with its own
+        signature and docstring (they become the function's); the default declares none, and
+        NotImplementedError says so. Raises TypeError or ValueError for bad arguments."""
+        raise NotImplementedError(f"the {self.name} family has no Python function")
+
+    @property
+    def has_python_call(self) -> bool:
+        return type(self).python_call is not Family.python_call
 
     # --- shared machinery --------------------------------------------------------------------
     @property
@@ -369,6 +396,11 @@ def space_of(family: Family) -> SearchSpace:
 @lru_cache(maxsize=None)
 def _load_space_cached(name: str, path: str | None) -> SearchSpace:
     return load_space(name, Path(path) if path else None)
+
+
+def template_folders(family: Family) -> tuple[str, ...]:
+    """The other template folders a family's template reads (Family.template_folders)."""
+    return tuple(getattr(family, "template_folders", ()))
 
 
 def template_root(family: Family) -> str | None:
@@ -415,4 +447,4 @@ def valid_neighbours(family: Family, problem: Problem, target: Target, base: Map
 
 
 def family_template_digest(family: Family) -> str:
-    return template_digest(family.template, template_root(family))
+    return template_digest(family.template, template_root(family), template_folders(family))

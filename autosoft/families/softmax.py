@@ -64,7 +64,8 @@ class SoftmaxFamily(Family):
             raise ValueError("autosoft.softmax: x is a scalar; it needs at least one dimension")
         return super().problem_for({"x": (math.prod(shape[:-1]), shape[-1])}, dtype, options)
 
-    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
         return {"y": (tuple(shapes["x"]), dtype)}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from ..compile import compile_source
 from ..dtypes import DTYPES
 from ..errors import UserError
 from ..export import kernel_parameters
-from ..families.base import SUPPORTED_ARCHS, Family, Problem, Target, build_variant, space_of, template_root
+from ..families.base import (SUPPORTED_ARCHS, Family, Problem, Target, build_variant, space_of, template_folders,
+                             template_root)
 from ..render import check_references, render
 
 __all__ = [
@@ -103,7 +104,8 @@ def test_declarations_are_complete(conformance_case: Case) -> None:
     source, _, _ = jinja2.FileSystemLoader(template_root(family) or _templates()).get_source(
         jinja2.Environment(), family.template)
     assert source.strip()
-    check_references(family.template, template_root(family))  # the template digest covers every file it reads
+    # the template digest covers every file it reads
+    check_references(family.template, template_root(family), template_folders(family))
 
 
 def _templates() -> str:
@@ -212,7 +214,7 @@ def test_costs_and_outputs_are_consistent(conformance_case: Case) -> None:
         if _size(problem.shape) > 1 << 22:
             continue  # too large for the NumPy stand-in below
         shapes = {name: shape for name, (shape, _) in _caller_inputs(family, problem).items()}
-        caller = family.caller_outputs(shapes, problem.dtype)
+        caller = family.caller_outputs(shapes, problem.dtype, dict(problem.options))
         assert set(caller) == set(family.outputs)
         for name, (shape, dtype) in specs.items():
             assert dtype in DTYPES and caller[name][1] == dtype

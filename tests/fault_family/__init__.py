@@ -64,7 +64,7 @@ class FaultyFamily(Family):
     def output_specs(self, problem: Problem):
         return {"y": (problem.shape, "float32")}
 
-    def caller_outputs(self, shapes, dtype):
+    def caller_outputs(self, shapes, dtype, options):
         return {"y": (tuple(shapes["x"]), "float32")}
 
     def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
