@@ -102,7 +102,7 @@ def compare(path: str) -> int:
 def _families():
     from autosoft.families import get_family
 
-    return [get_family("softmax"), get_family("attention")]
+    return [get_family("softmax"), get_family("attention"), get_family("attention_colsum")]
 
 
 def _template_files(root: Path) -> list[str]:
@@ -155,7 +155,7 @@ def _one_point_per_strategy():
     rows, for 32-bit and 16-bit data; for attention, one point of each problem kind."""
     from autosoft.families.base import Target, space_of
 
-    softmax, attention = _families()
+    softmax, attention, colsum = _families()
     picks = []
     for dtype in ("float32", "float16"):
         for shape in ("4096x8192", "32x131072"):
@@ -171,6 +171,10 @@ def _one_point_per_strategy():
         problem = attention.problem("1x2x77x32", "bfloat16", flags)
         target = Target.for_arch("80")
         picks.append((attention, problem, target, attention.default_params(problem, target)))
+    for way in ("fused", "key_major"):
+        problem = colsum.problem("1x2x77x64", "float16", {"split": 40})
+        target = Target.for_arch("90")
+        picks.append((colsum, problem, target, {**colsum.default_params(problem, target), "colsum": way}))
     return picks
 
 
@@ -198,8 +202,9 @@ def test_every_template_file_is_read_by_some_render_and_covered_by_its_digest(lo
 
     root = templates_dir()
     assert set().union(*loads.values()) == set(_template_files(root))
+    also = {f.template: f.template_folders for f in _families()}
     for template, read in loads.items():
-        covered = {n for folder in _covered_folders(template, root) for n in _templates_in(root, folder)}
+        covered = {n for folder in _covered_folders(template, root, also[template]) for n in _templates_in(root, folder)}
         assert read <= covered, read - covered
 
 
@@ -220,19 +225,20 @@ def test_softmax_reads_one_include_per_chosen_strategy(strategy_points):
 
 
 def test_template_digest_is_the_documented_rule():
-    """sha256 over the *.j2 files of the template's folder and of common/, sorted by path under
-    the root, each as path, NUL, length, NUL, bytes."""
-    from autosoft.render import template_digest, templates_dir
+    """sha256 over the *.j2 files of the template's folder, of common/ and of the folders the
+    family declares it reads, sorted by path under the root, each as path, NUL, length, NUL, bytes."""
+    from autosoft.families.base import family_template_digest
+    from autosoft.render import templates_dir
 
     root = templates_dir()
     for family in _families():
-        folder = family.template.rpartition("/")[0]
+        folders = (family.template.rpartition("/")[0], "common", *family.template_folders)
         digest = hashlib.sha256()
         for name in sorted(n for n in _template_files(root)
-                           if n.rpartition("/")[0] in (folder, "common") and n.endswith(".j2")):
+                           if n.rpartition("/")[0] in folders and n.endswith(".j2")):
             data = (root / name).read_bytes()
             digest.update(f"{name}\0{len(data)}\0".encode() + data)
-        assert template_digest(family.template) == digest.hexdigest()
+        assert family_template_digest(family) == digest.hexdigest()
 
 
 def test_digest_changes_when_any_file_a_render_reads_changes(tmp_path):
@@ -240,14 +246,18 @@ def test_digest_changes_when_any_file_a_render_reads_changes(tmp_path):
     whose renders read it changes, and no other family's does."""
     from autosoft.render import template_digest, templates_dir
 
+    def digest(family, root):
+        return template_digest(family.template, str(root), family.template_folders)
+
     for i, name in enumerate(_template_files(templates_dir())):
         copy = tmp_path / f"t{i}"  # a root per edit: render.environment is cached per root
         shutil.copytree(templates_dir(), copy)
-        before = {f.template: template_digest(f.template, root=str(copy)) for f in _families()}
+        before = {f.name: digest(f, copy) for f in _families()}
         _edit(copy / name)
         for family in _families():
-            reads = name.startswith(("common/", family.template.rpartition("/")[0] + "/"))
-            changed = template_digest(family.template, root=str(copy)) != before[family.template]
+            folders = ("common", family.template.rpartition("/")[0], *family.template_folders)
+            reads = name.startswith(tuple(f + "/" for f in folders))
+            changed = digest(family, copy) != before[family.name]
             assert changed == reads, (name, family.template)
 
 

@@ -1,0 +1,238 @@
+"""Attention and the attention each key before a split position receives from the queries after it.
+
+For q, k, v of shape (B, H, N, D) (fp16, bf16) and 0 < split < N:
+
+    P = softmax(scale * q k^T [causal])     o = P v     lse = log of each row's sum (as attention's)
+    colsum[b, h, j] = sum over queries i >= split of P[b, h, i, j],  for keys j < split  (float32)
+
+what KV-cache compression (H2O, SnapKV) and attention analysis need beside o. The kernel is the
+attention family's (templates/attention/), extended by templates/attention_colsum/ with one of two
+ways to form the sums, a parameter of the search space:
+
+- fused: a second pass inside the attention kernel, for query tiles that hold queries >= split,
+  recomputes the scores of the keys before split and adds each column's sum with atomics; the
+  order of those additions varies from run to run, so the last bits of colsum do too;
+- key_major: after the attention kernel, one block per tile of keys before split walks the query
+  tiles from split on and sums exp(scale q.k - lse) in registers: deterministic.
+
+The problem option `deterministic` restricts the tuner (and the default) to the key-major pass.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..dtypes import to_float64
+from ..errors import UserError
+from ..space import ParamValue
+from . import register
+from .attention import AttentionFamily
+from .base import Call, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+
+# |colsum - ref| <= RTOL * |ref| + ATOL per element; the full rows' column sums must add up to the
+# number of queries >= split within TOTAL_RTOL
+COLSUM_RTOL, COLSUM_ATOL, TOTAL_RTOL = 1e-3, 1e-5, 1e-4
+ZERO_THREADS = 256
+_REF_BYTES = 256 << 20  # float64 score block of the reference, per chunk
+
+
+class AttentionColsumFamily(AttentionFamily):
+    """o, colsum and lse of attention with the column sums of P over the queries >= split."""
+    name = "attention_colsum"
+    template = "attention_colsum/attention_colsum.cu.j2"
+    template_folders = ("attention",)  # the attention kernel it extends
+    outputs = ("o", "colsum", "lse")
+    options = (
+        ProblemOption("causal", "mask keys after the query (key j > query i)"),
+        ProblemOption("split", "sum P over the queries from this position on, for the keys before it "
+                      "(0 < split < N)", kind="int", required=True),
+        ProblemOption("deterministic", "only variants whose column sums are the same bits on every run"),
+    )
+    shape_help = "B,H,N,D (or BxHxNxD): batch, heads, sequence length, head dim, e.g. 1,32,4096,128"
+    examples = (("1,1,2,32", "float16", {"split": 1}),
+                ("1,2,77,64", "bfloat16", {"causal": True, "split": 76}),
+                ("3,7,1000,64", "float16", {"split": 500, "deterministic": True}),
+                ("1,8,3333,128", "bfloat16", {"causal": True, "split": 3269}),
+                ("2,4,1024,128", "float16", {"split": 1}),
+                ("1,4,4096,64", "bfloat16", {"causal": True, "split": 2048}))
+
+    # --- problem ------------------------------------------------------------------------
+
+    def problem(self, shape_text: str, dtype: str | None = None,
+                options: Mapping[str, OptionValue] | Any = ()) -> Problem:
+        problem = super().problem(shape_text, dtype, options)
+        self._check_split(problem.shape, problem.option("split"))
+        return problem
+
+    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                    options: Mapping[str, OptionValue]) -> Problem:
+        problem = super().problem_for(shapes, dtype, options)
+        try:
+            self._check_split(problem.shape, problem.option("split"))
+        except UserError as exc:
+            raise ValueError(f"autosoft.{self.name}: {exc}") from None
+        return problem
+
+    @staticmethod
+    def _check_split(shape: tuple[int, ...], split: OptionValue | None) -> None:
+        n = shape[2]
+        if split is None or not 0 < int(split) < n:
+            raise UserError(f"split={split} is outside 0 < split < N={n}: the column sums need queries on both "
+                            "sides of it" + (" (N must be at least 2)" if n < 2 else ""))
+
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
+        q = tuple(shapes["q"])
+        return {"o": (q, dtype), "colsum": ((*q[:2], int(options["split"])), "float32"), "lse": (q[:3], "float32")}
+
+    def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
+        return {**super().problem_values(problem, target), "split": int(problem.option("split")),
+                "deterministic": "deterministic" in problem.flags}
+
+    # --- the Python function -----------------------------------------------------------
+
+    def python_call(self, q: Any, k: Any, v: Any, split: int, causal: bool = False, scale: float | None = None,
+                    return_lse: bool = False, deterministic: bool = False) -> Call:
+        """Attention, and how much attention the queries from `split` on pay to each key before it.
+
+        q, k, v: (B, H, N, D) arrays of one shape, CUDA torch tensors (float16, bfloat16) or CuPy
+        float16 arrays, D in 32, 64, 128; 0 < split < N. Returns (o, colsum): o like q (as
+        autosoft.attention), colsum (B, H, split) float32 with colsum[b, h, j] the sum over queries
+        i >= split of softmax(scale * q kᵀ [causal])[b, h, i, j]; with return_lse=True, (o, colsum,
+        lse). scale defaults to 1/sqrt(D) and must be positive. deterministic=True uses only
+        variants whose colsum is the same bits on every run (the key-major pass, no atomics).
+        """
+        if isinstance(split, bool) or not isinstance(split, (int, np.integer)):
+            raise TypeError(f"autosoft.{self.name}: split must be an int, got {type(split).__name__}")
+        head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        if not scale > 0:  # the kernel tracks the running max of the unscaled scores
+            raise ValueError(f"autosoft.{self.name}: scale must be positive, got {scale}")
+        return Call((q, k, v), {"causal": bool(causal), "split": int(split), "deterministic": bool(deterministic)},
+                    {"scale": np.float32(scale)}, ("o", "colsum", "lse") if return_lse else ("o", "colsum"))
+
+    # --- a variant ----------------------------------------------------------------------
+
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        way = "fused" if params["colsum"] == "fused" else "kmajor"
+        return super().variant_name(problem, params).replace("attention_", f"attention_colsum_{way}_", 1)
+
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {**super().template_args(problem, values), "attention_kernel": "attention_fwd",
+                "zero_kernel": "colsum_zero", "key_major_kernel": "colsum_key_major"}
+
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        b, h, n, _ = problem.shape
+        split = values["split"]
+        block = (32 * values["warps"], 1, 1)
+        attention = Launch("attention_fwd", (-(-n // values["block_m"]), h, b), block, values["smem_bytes"],
+                           ("q", "k", "v", "o", "lse", "scale", "colsum"))
+        if values["colsum"] == "fused":
+            count = b * h * split
+            zero = Launch("colsum_zero", (min(-(-count // ZERO_THREADS), 4 * target.sm_count), 1, 1),
+                          (ZERO_THREADS, 1, 1), 0, ("colsum", np.int64(count)))
+            return (zero, attention), 0
+        key_major = Launch("colsum_key_major", (-(-split // values["block_m"]), h, b), block,
+                           values["key_major_smem"], ("q", "k", "lse", "colsum", "scale"))
+        return (attention, key_major), 0
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
+        """The attention family's default tiles with the fused pass, or with the key-major pass
+        where the problem asks for deterministic sums."""
+        return super().default_params(problem, target)
+
+    def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
+        way = "key_major" if "deterministic" in problem.flags else "fused"
+        return super()._first_valid(problem, target, {"colsum": way, **p})
+
+    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
+        """The other pass with the default tiles, then the attention family's seeds with each pass."""
+        base = self.default_params(problem, target)
+        attention_seeds = super().seed_params(problem, target)
+        changes = [{"colsum": "key_major"}, {"colsum": "fused"}]
+        changes += [{**seed, "colsum": way} for seed in attention_seeds for way in ("fused", "key_major")]
+        return valid_neighbours(self, problem, target, base, changes)
+
+    # --- what it costs ------------------------------------------------------------------
+
+    def problem_distance(self, a: Problem, b: Problem) -> float:
+        """The attention distance of the shapes plus log2 steps between the splits and between
+        the numbers of queries after them (each weighing as N does); other flags: never."""
+        if a.flags != b.flags:
+            return math.inf
+        sa, sb = int(a.option("split")), int(b.option("split"))
+        tail = abs(math.log2(a.shape[2] - sa) - math.log2(b.shape[2] - sb))
+        return self.shape_distance(a.shape, b.shape) + 4 * (abs(math.log2(sa) - math.log2(sb)) + tail)
+
+    def bytes_moved(self, problem: Problem) -> int:
+        b, h, _, _ = problem.shape
+        return super().bytes_moved(problem) + 4 * b * h * int(problem.option("split"))
+
+    def flops(self, problem: Problem) -> float:
+        """Attention's, and one more q.k product for every (query >= split, key < split) pair."""
+        b, h, n, d = problem.shape
+        split = int(problem.option("split"))
+        return super().flops(problem) + 2.0 * b * h * (n - split) * split * d
+
+    def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        b, h, n, _ = problem.shape
+        return {**super().output_specs(problem), "colsum": ((b, h, int(problem.option("split"))), "float32")}
+
+    # --- verification (runs on the GPU through CuPy; xp is the cupy module) ---------------
+
+    def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
+        wrong = super().check(problem, inputs, outputs, xp)  # o and lse, as the attention family checks them
+        if wrong:
+            return wrong
+        colsum = outputs["colsum"].astype(np.float64)
+        if bool(xp.isnan(colsum).any()):
+            return f"colsum has {int(xp.isnan(colsum).sum())} NaN (unwritten or overflowed) elements"
+        split = int(problem.option("split"))
+        ref = reference_colsum(problem, inputs, xp)  # every key's sum, keys >= split included
+        err = xp.abs(colsum - ref[..., :split])
+        bad = ~(err <= COLSUM_RTOL * xp.abs(ref[..., :split]) + COLSUM_ATOL)
+        if bool(bad.any()):
+            flat = int(xp.argmax(xp.where(bad, err, -1.0)))
+            b, h, j = np.unravel_index(flat, colsum.shape)
+            return (f"{int(bad.sum())} colsum values off; worst colsum[{b}, {h}, {j}]: got {float(colsum[b, h, j])!r}, "
+                    f"expected {float(ref[b, h, j])!r}")
+        # a wrong normaliser shows here: each query's row adds to 1, so all columns to the query count
+        totals = colsum.sum(axis=-1) + ref[..., split:].sum(axis=-1)
+        queries = problem.shape[2] - split
+        off = xp.abs(totals - queries)
+        if not bool((off <= TOTAL_RTOL * queries).all()):
+            flat = int(xp.argmax(off))
+            b, h = np.unravel_index(flat, totals.shape)
+            return f"column sums of head [{b}, {h}] add to {float(totals[b, h])!r}, not the {queries} queries >= split"
+        return None
+
+
+def reference_colsum(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> Any:
+    """float64 sums over queries >= split of each key's P, for every key (B, H, N), on the GPU in
+    chunks of heads and query rows, as the attention reference computes P."""
+    b, h, n, d = problem.shape
+    split = int(problem.option("split"))
+    causal = "causal" in problem.flags
+    scale = float(inputs["scale"])
+    q = to_float64(inputs["q"], problem.dtype, xp).reshape(b * h, n, d)
+    k = to_float64(inputs["k"], problem.dtype, xp).reshape(b * h, n, d)
+    sums = xp.zeros((b * h, n), dtype=np.float64)
+    rows = max(1, min(n - split, _REF_BYTES // (8 * n)))
+    heads = max(1, min(b * h, _REF_BYTES // (8 * n * rows)))
+    for h0 in range(0, b * h, heads):
+        hs = slice(h0, min(b * h, h0 + heads))
+        for r0 in range(split, n, rows):
+            r1 = min(n, r0 + rows)
+            s = xp.matmul(q[hs, r0:r1], k[hs].transpose(0, 2, 1)) * scale
+            if causal:
+                s[:, xp.arange(n)[None, :] > xp.arange(r0, r1)[:, None]] = -np.inf
+            p = xp.exp(s - s.max(axis=-1, keepdims=True))
+            sums[hs] += (p / p.sum(axis=-1, keepdims=True)).sum(axis=1)
+    return sums.reshape(b, h, n)
+
+
+__all__ = ["ATTENTION_COLSUM", "AttentionColsumFamily", "reference_colsum"]
+
+ATTENTION_COLSUM = register(AttentionColsumFamily())

@@ -1,0 +1,159 @@
+"""GPU tier for the attention_colsum family: both passes against the float64 reference (o, lse,
+colsum, and column sums that add to the number of queries), the public function, a short tune."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import numpy as np
+import pytest
+
+from autosoft.cache import Cache
+from autosoft.compile import compile_source
+from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
+from autosoft.families import get_family
+from autosoft.families.base import build_variant, space_of
+from helpers import sample_points
+
+pytestmark = pytest.mark.gpu
+
+FAMILY = get_family("attention_colsum")
+
+# (B, H, N, D, split): the first and last possible split, N not a multiple of any tile, splits
+# inside a tile and on a tile edge, head dims 64 and 128
+CASES = [(1, 2, 2, 64, 1), (1, 3, 77, 64, 76), (2, 2, 1000, 128, 1), (2, 2, 1000, 128, 999),
+         (1, 4, 1000, 64, 500), (1, 2, 555, 128, 128), (1, 2, 3333, 64, 3269)]
+
+
+def _target():
+    from autosoft.runtime import device_info
+
+    return device_info().target
+
+
+def _compiled(variants):
+    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
+        return list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
+
+
+def _wrong(variants, seed: int) -> list[str]:
+    from autosoft.runtime import LoadedVariant
+
+    failures = []
+    for variant, result in zip(variants, _compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=seed)
+        if wrong:
+            failures.append(f"{variant.name}: {wrong}")
+    return failures
+
+
+def _problem(b, h, n, d, split, dtype, causal, deterministic=False):
+    return FAMILY.problem(f"{b},{h},{n},{d}", dtype, {"split": split, "causal": causal, "deterministic": deterministic})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"_split{c[4]}")
+def test_both_passes_are_correct(case, dtype, causal):
+    """The default and seeds (both passes) and random points, on normal, x10 and equal inputs."""
+    problem = _problem(*case, dtype, causal)
+    points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal)
+    ways = {p["colsum"] for p in points}
+    assert ways == {"fused", "key_major"}, ways
+    failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=13)
+    assert not failures, "\n".join(failures)
+
+
+def test_every_variant_of_a_tail_problem_is_correct():
+    """All valid points for N and split inside tiles, causal: every tile size, pass, pipeline."""
+    problem = _problem(1, 2, 555, 64, 300, "bfloat16", True)
+    points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
+    failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=3)
+    assert not failures, "\n".join(failures)
+
+
+def test_key_major_is_deterministic_and_fused_repeats_within_rounding():
+    import cupy as cp
+
+    from autosoft.runtime import LoadedVariant
+
+    results = {}
+    for way in ("key_major", "fused"):
+        problem = _problem(1, 8, 2048, 128, 1024, "bfloat16", True)
+        variant = build_variant(FAMILY, problem, {**FAMILY.default_params(problem, _target()), "colsum": way}, _target())
+        loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
+        inputs = FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(4))
+        runs = []
+        for _ in range(3):
+            outputs = allocate_outputs(FAMILY, variant, cp)
+            loaded.launch({**inputs, **outputs})
+            runs.append(cp.asnumpy(outputs["colsum"]))
+        results[way] = runs
+    assert all(np.array_equal(results["key_major"][0], r) for r in results["key_major"][1:])
+    for r in results["fused"]:
+        np.testing.assert_allclose(r, results["key_major"][0], rtol=1e-5, atol=1e-7)
+
+
+def test_large_default_fills_the_gpu_and_is_correct():
+    """32 heads of 4096 queries, split = N / 2: the benchmark's problem kind, fused and key-major."""
+    problem = _problem(1, 32, 4096, 128, 2048, "bfloat16", True)
+    for way in ("fused", "key_major"):
+        params = {**FAMILY.default_params(problem, _target()), "colsum": way}
+        variant = build_variant(FAMILY, problem, params, _target())
+        outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)
+        assert outcome.ok, f"{variant.name}: {outcome.message}"
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_public_function_matches_torch(framework, cache_dir):
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+
+    import autosoft
+
+    autosoft.api.DISPATCHER.forget()
+    b, h, n, d, split = 2, 3, 333, 64, 200
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.float16) for _ in range(3))
+    args = (q, k, v) if framework == "torch" else tuple(cp.from_dlpack(t) for t in (q, k, v))
+    for causal in (False, True):
+        o, colsum, lse = autosoft.attention_colsum(*args, split, causal=causal, return_lse=True)
+        o, colsum, lse = (torch.from_dlpack(x) for x in (o, colsum, lse))
+        assert o.shape == q.shape and colsum.shape == (b, h, split) and colsum.dtype == torch.float32
+        scores = (q.double() @ k.double().transpose(-1, -2)) / 8.0
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+        p = scores.softmax(-1)
+        torch.testing.assert_close(colsum.double(), p[:, :, split:, :split].sum(2), rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-3, rtol=1e-4)
+        ref_o = (p @ v.double()).float()
+        assert ((o.float() - ref_o).norm() / ref_o.norm()).item() < 5e-3
+    o2, colsum2 = autosoft.attention_colsum(*args, split, deterministic=True)
+    first = torch.from_dlpack(colsum2).clone()
+    _, again = autosoft.attention_colsum(*args, split, deterministic=True)
+    assert torch.equal(first, torch.from_dlpack(again))
+    with pytest.raises(ValueError, match="split"):
+        autosoft.attention_colsum(*args, n)
+    with pytest.raises(TypeError, match="split must be an int"):
+        autosoft.attention_colsum(*args, 2.5)
+
+
+def test_short_tune_is_correct_and_a_near_split_borrows_it(cache_dir):
+    from autosoft.dispatch import Dispatcher
+    from autosoft.tune import tune
+
+    problem = _problem(1, 8, 1024, 64, 512, "bfloat16", True)
+    cache = Cache(cache_dir / "k.sqlite")
+    report = tune("attention_colsum", problem, 8, cache, seed=1)
+    assert report.best is not None and report.best.outcome.status is Status.OK
+    assert report.best.outcome.time_us <= report.default.outcome.time_us
+    (entry,) = cache.entries()
+    assert entry.key.shape == "1x8x1024x64+causal+split=512"
+    dispatcher = Dispatcher()
+    dispatcher.load_cache(cache.path)
+    near = _problem(1, 8, 1024, 64, 500, "bfloat16", True)
+    choice = dispatcher.choose(near)
+    assert choice.source == "nearest 1x8x1024x64+causal+split=512" and choice.variant.params == entry.params
+    assert dispatcher.choose(_problem(1, 8, 1024, 64, 500, "bfloat16", False)).source == "default"
+    loaded = dispatcher.loaded(near, 0)  # verified on the near problem before its first use
+    assert loaded.variant.problem == near
