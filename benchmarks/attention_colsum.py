@@ -251,15 +251,18 @@ def measure(run: Callable[[int], Output], n_sets: int, ref: tuple[Tensor, Tensor
         return {"ok": False, "error": " ".join(str(exc).split())[:300]}
 
 
-def bench_row(torch: Any, row: Row, cache: Cache | None, trials: int, seed: int, reps: int) -> dict:
+def bench_row(torch: Any, row: Row, cache: Cache | None, trials: int, det_trials: int, tune_max_n: int,
+              seed: int, reps: int) -> dict:
     r: dict = {"shape": "x".join(map(str, row.shape)), "dtype": row.dtype, "causal": row.causal,
                "split": row.split, "split_kind": row.split_kind}
     colsum_options = {"split": row.split, "causal": row.causal}
+    # past --tune-max-n the dispatcher serves the row from the nearest tuned problem (verified first)
+    tune_into = cache if row.shape[2] <= tune_max_n else None
     r["variants"] = {
-        "colsum": autosoft_choice("attention_colsum", row, colsum_options, cache, trials, seed),
-        "det": autosoft_choice("attention_colsum", row, {**colsum_options, "deterministic": True}, cache, trials,
-                               seed),
-        "attention": autosoft_choice("attention", row, {"causal": row.causal}, cache, trials, seed)}
+        "colsum": autosoft_choice("attention_colsum", row, colsum_options, tune_into, trials, seed),
+        "det": autosoft_choice("attention_colsum", row, {**colsum_options, "deterministic": True}, tune_into,
+                               det_trials, seed),
+        "attention": autosoft_choice("attention", row, {"causal": row.causal}, tune_into, trials, seed)}
     sets = input_sets(row)
     masks = causal_masks(row) if row.causal else None
     runs = contenders(row, sets, masks)
@@ -311,6 +314,10 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path("attention_colsum.sqlite"),
                         help="tuned-kernel cache: entries found there are re-used, missing ones tuned into it")
     parser.add_argument("--trials", type=int, default=16, help="tuning trials per problem")
+    parser.add_argument("--det-trials", type=int, default=None,
+                        help="tuning trials for the deterministic problems (default: --trials)")
+    parser.add_argument("--tune-max-n", type=int, default=1 << 30, metavar="N",
+                        help="tune only rows with N up to this; longer rows take the nearest tuned problem's variant")
     parser.add_argument("--no-tune", action="store_true", help="time the dispatcher's choice (the heuristic "
                         "default when no cache file has an entry), no tuning")
     parser.add_argument("--rows", default="", help="comma-separated row numbers (default: all; listed below)")
@@ -318,6 +325,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed runs per contender (median)")
     args = parser.parse_args()
     rows = parse_rows(args.rows)
+    det_trials = args.trials if args.det_trials is None else args.det_trials
 
     import torch
 
@@ -332,6 +340,7 @@ def main() -> int:
     result: dict = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
                     "torch": torch.__version__, "commit": commit(), "tuned": cache is not None,
                     "cache": str(args.cache) if cache is not None else None, "trials": args.trials,
+                    "det_trials": det_trials, "tune_max_n": args.tune_max_n,
                     "reps": args.reps, "seed": args.seed,
                     "targets": {"colsum_vs_attention_max": MAX_VS_ATTENTION,
                                 "colsum_speedup_vs_sdpa_tail_min": MIN_VS_SDPA_TAIL},
@@ -340,7 +349,7 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         try:
-            r = bench_row(torch, row, cache, args.trials, args.seed, args.reps)
+            r = bench_row(torch, row, cache, args.trials, det_trials, args.tune_max_n, args.seed, args.reps)
         except Exception as exc:  # noqa: BLE001 - one broken row must not end the run
             traceback.print_exc()
             r = {"shape": "x".join(map(str, row.shape)), "dtype": row.dtype, "causal": row.causal,
