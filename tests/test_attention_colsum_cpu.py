@@ -78,11 +78,29 @@ def test_deterministic_problems_have_only_key_major_variants():
         build_variant(FAMILY, det, {**FAMILY.default_params(det, TARGET), "colsum": "fused"}, TARGET)
 
 
+def test_the_default_shares_query_tiles_among_blocks_until_the_gpu_is_full():
+    small = FAMILY.default_params(_problem(causal=True), TARGET)  # 8 key tiles x 32 heads = 256 blocks
+    assert small["colsum"] == "key_major" and small["km_split"] == 2
+    assert FAMILY.default_params(_problem("4,32,2048,64", 1024, "float16"), TARGET)["km_split"] == 1
+    assert FAMILY.default_params(_problem("1,1,2048,64", 1984, "float16"), TARGET)["km_split"] == 1  # one query tile
+
+
+def test_split_key_major_launches_use_the_workspace_they_declare():
+    problem = _problem("2,3,1000,64", 600, "float16")
+    params = {**FAMILY.default_params(problem, TARGET), "km_split": 4}
+    variant = build_variant(FAMILY, problem, params, TARGET)
+    _, key_major = variant.launches
+    keys = int(params["warps"]) * int(params["km_rows"])
+    assert key_major.grid == (4 * -(-600 // keys), 3, 2) and key_major.args[-1] == "workspace"
+    assert variant.workspace_bytes == 4 * 2 * 3 * -(-600 // keys) * (4 * keys + 1)
+    assert "arrived[tile] = 0u" in variant.source, "the counters are left at zero for the next launch"
+
+
 def test_fused_variants_are_counted_once():
     """The key-major tiles mean nothing to the fused pass: one value of them is valid."""
     problem = _problem()
     fused = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, TARGET)) if p["colsum"] == "fused"]
-    assert fused and all((p["km_rows"], p["km_queries"]) == (16, 64) for p in fused)
+    assert fused and all((p["km_rows"], p["km_queries"], p["km_split"]) == (16, 64, 1) for p in fused)
 
 
 # --- the attention kernel, shared -----------------------------------------------------------
@@ -97,7 +115,7 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     """The column sums extend the attention kernel through its template blocks: its main loop
     renders to the very text the attention family's does, for the same tiles."""
     problem = _problem("1,8,3333,128", 1000, causal=True)
-    params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64}
+    params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, "km_split": 1}
     colsum = build_variant(FAMILY, problem, params, TARGET).source
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
     attention = build_variant(ATTENTION, attention_problem, {k: params[k] for k in space_of(ATTENTION).names},
@@ -120,8 +138,9 @@ def test_the_template_digest_covers_the_attention_templates():
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
 def test_both_passes_build_with_nvcc_without_spilling(tmp_path):
     problem = _problem("1,32,4096,128", 2048, causal=True)
-    for way, extra in (("fused", {}), ("key_major", {"km_rows": 32, "km_queries": 128})):
-        params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, **extra}
+    for way, extra in (("fused", {}), ("key_major", {"km_rows": 32, "km_queries": 128, "km_split": 4})):
+        params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64,
+                  "km_split": 1, **extra}
         variant = build_variant(FAMILY, problem, params, TARGET)
         path = tmp_path / f"{way}.cu"
         path.write_text(variant.source)
@@ -208,7 +227,7 @@ def test_render_needs_the_split_and_says_so(tmp_path):
     result = run_cli(["render", "attention_colsum", "--shape", "1,2,77,64", "--split", "40", "--causal"],
                      tmp_path / "cache")
     assert result.returncode == 0, result.stderr
-    assert "attention_colsum_kmajor64x64_bf16_d64_causal" in result.stdout.splitlines()[0]
+    assert "attention_colsum_kmajor64x64c2_bf16_d64_causal" in result.stdout.splitlines()[0], "2 blocks share 2 query tiles"
     for args, message in ((["--causal"], "needs --split"), (["--split", "77"], "0 < split < N=77")):
         result = run_cli(["render", "attention_colsum", "--shape", "1,2,77,64", *args], tmp_path / "cache")
         assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and message in result.stderr

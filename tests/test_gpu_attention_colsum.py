@@ -66,12 +66,15 @@ def test_both_passes_are_correct(case, dtype, causal):
 
 def test_every_pass_variant_of_a_tail_problem_is_correct():
     """N and split inside tiles, causal: every fused point (the pass runs inside each attention
-    tiling), and every key-major tiling, pipeline, layout and fragment source over one attention
-    tiling per warp count (the attention kernel itself is the attention family's, tested there)."""
+    tiling), every key-major tiling, pipeline, layout and fragment source over one attention
+    tiling per warp count (the attention kernel itself is the attention family's, tested there),
+    and every split of the query tiles among blocks over one pipeline and layout."""
     problem = _problem(1, 2, 555, 64, 300, "bfloat16", True)
+    one_tiling = {"block_n": 64, "stages": 2, "layout": "swizzle"}
     points = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
-              if p["colsum"] == "fused" or (p["block_n"] == 64 and p["block_m"] == 16 * p["warps"])]
-    assert len(points) > 200
+              if p["colsum"] == "fused" or (p["block_n"] == 64 and p["block_m"] == 16 * p["warps"] and (
+                  p["km_split"] == 1 or all(p[k] == v for k, v in one_tiling.items())))]
+    assert len(points) > 250 and {p["km_split"] for p in points} == {1, 2, 4, 8}
     failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=3)
     assert not failures, "\n".join(failures)
 

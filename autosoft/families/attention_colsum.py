@@ -116,7 +116,9 @@ class AttentionColsumFamily(AttentionFamily):
     # --- a variant ----------------------------------------------------------------------
 
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
-        way = "fused" if params["colsum"] == "fused" else f"kmajor{int(params['km_rows']) * int(params['warps'])}x{params['km_queries']}"
+        way = "fused" if params["colsum"] == "fused" else \
+            f"kmajor{int(params['km_rows']) * int(params['warps'])}x{params['km_queries']}" + \
+            (f"c{params['km_split']}" if int(params["km_split"]) > 1 else "")
         return super().variant_name(problem, params).replace("attention_", f"attention_colsum_{way}_", 1)
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,19 +136,34 @@ class AttentionColsumFamily(AttentionFamily):
             zero = Launch("colsum_zero", (min(-(-count // ZERO_THREADS), 4 * target.sm_count), 1, 1),
                           (ZERO_THREADS, 1, 1), 0, ("colsum", np.int64(count)))
             return (zero, attention), 0
-        key_major = Launch("colsum_key_major", (-(-split // (values["warps"] * values["km_rows"])), h, b), block,
-                           values["key_major_smem"], ("q", "k", "lse", "colsum", "scale"))
-        return (attention, key_major), 0
+        keys = values["warps"] * values["km_rows"]
+        key_tiles, chunks = -(-split // keys), values["km_split"]
+        args: tuple[str, ...] = ("q", "k", "lse", "colsum", "scale")
+        workspace = 0
+        if chunks > 1:  # partial sums per (tile, chunk), then an arrival counter per tile
+            args += ("workspace",)
+            workspace = 4 * b * h * key_tiles * (chunks * keys + 1)
+        key_major = Launch("colsum_key_major", (key_tiles * chunks, h, b), block, values["key_major_smem"], args)
+        return (attention, key_major), workspace
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
         """The attention family's default tiles, then the key-major pass with 16 keys per warp and
-        64 queries per tile. On the H200 the key-major pass beat the fused one on all eight
-        benchmark rows untuned (by 3-30 %: the fused pass lengthens the longest query tiles,
-        which start first and finish last), and it is deterministic."""
-        return super().default_params(problem, target)
+        64 queries per tile, its query tiles shared among as many blocks per key tile (up to 8)
+        as it takes to give every SM two blocks. On the H200 the key-major pass beat the fused one
+        on all eight benchmark rows untuned (by 3-30 %: the fused pass lengthens the longest query
+        tiles, which start first and finish last), and it is deterministic."""
+        p = super().default_params(problem, target)
+        b, h, _, _ = problem.shape
+        blocks = -(-int(problem.option("split")) // (int(p["warps"]) * int(p["km_rows"]))) * b * h
+        chunks = 1
+        while blocks * chunks < 2 * target.sm_count and chunks < 8 and \
+                self.is_valid(problem, target, {**p, "km_split": 2 * chunks}):
+            chunks *= 2
+        return {**p, "km_split": chunks}
 
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
-        return super()._first_valid(problem, target, {"colsum": "key_major", "km_rows": 16, "km_queries": 64, **p})
+        return super()._first_valid(problem, target, {"colsum": "key_major", "km_rows": 16, "km_queries": 64,
+                                                      "km_split": 1, **p})
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Other key-major tiles, the fused pass, then the attention family's seeds with each pass."""
@@ -154,9 +171,11 @@ class AttentionColsumFamily(AttentionFamily):
         attention_seeds = super().seed_params(problem, target)
         changes: list[dict[str, ParamValue]] = [
             {"km_queries": 128}, {"km_rows": 32}, {"km_rows": 32, "km_queries": 128}, {"km_queries": 32},
-            {"colsum": "fused", "km_rows": 16, "km_queries": 64}]
+            {"km_split": 1}, {"km_split": 2}, {"km_split": 4}, {"km_split": 8},
+            {"colsum": "fused", "km_rows": 16, "km_queries": 64, "km_split": 1}]
         changes += [{**seed, **way} for seed in attention_seeds
-                    for way in ({"colsum": "key_major"}, {"colsum": "fused", "km_rows": 16, "km_queries": 64})]
+                    for way in ({"colsum": "key_major"},
+                                {"colsum": "fused", "km_rows": 16, "km_queries": 64, "km_split": 1})]
         return valid_neighbours(self, problem, target, base, changes)
 
     # --- what it costs ------------------------------------------------------------------
