@@ -150,7 +150,7 @@ class AttentionColsumFamily(AttentionFamily):
         """The attention family's default tiles, then the key-major pass with 16 keys per warp and
         64 queries per tile, its query tiles shared among as many blocks per key tile (up to 8)
         as it takes to give every SM two blocks. On the H200 the key-major pass beat the fused one
-        on all eight benchmark rows untuned (by 3-30 %: the fused pass lengthens the longest query
+        on all eight benchmark rows untuned (by 4-46 %: the fused pass lengthens the longest query
         tiles, which start first and finish last), and it is deterministic."""
         p = super().default_params(problem, target)
         b, h, _, _ = problem.shape
