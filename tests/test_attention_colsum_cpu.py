@@ -56,6 +56,10 @@ def test_output_shapes_follow_the_split():
     assert FAMILY.output_specs(_problem("2,3,77,64", 40, "float16"))["colsum"] == ((2, 3, 40), "float32")
     with pytest.raises(ValueError, match="autosoft.attention_colsum: split=77"):
         FAMILY.problem_for(shapes, "float16", {"split": 77})
+    # an empty input gets empty outputs without a Problem: its split is still checked
+    with pytest.raises(ValueError, match="split=5 is outside 0 < split < N=0"):
+        FAMILY.caller_outputs({"q": (1, 2, 0, 64)}, "float16", {"split": 5})
+    assert FAMILY.caller_outputs({"q": (0, 2, 9, 64)}, "float16", {"split": 5})["colsum"] == ((0, 2, 5), "float32")
 
 
 def test_flops_add_one_product_per_tail_query_and_early_key():

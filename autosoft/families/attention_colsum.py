@@ -85,7 +85,10 @@ class AttentionColsumFamily(AttentionFamily):
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
         q = tuple(shapes["q"])
-        return {"o": (q, dtype), "colsum": ((*q[:2], int(options["split"])), "float32"), "lse": (q[:3], "float32")}
+        split = int(options["split"])
+        if len(q) == 4 and not 0 < split < q[2]:  # also for empty inputs, which never reach a Problem
+            raise ValueError(f"autosoft.{self.name}: split={split} is outside 0 < split < N={q[2]}")
+        return {"o": (q, dtype), "colsum": ((*q[:2], split), "float32"), "lse": (q[:3], "float32")}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         return {**super().problem_values(problem, target), "split": int(problem.option("split")),
