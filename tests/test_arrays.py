@@ -75,5 +75,7 @@ def test_attention_problem_needs_one_shape_and_carries_causal():
                                                            "lse": ((1, 2, 77), "float32")}
     with pytest.raises(ValueError, match="one shape"):
         ATTENTION.problem_for({**shapes, "k": (1, 2, 78, 64)}, "float16", {})
+    with pytest.raises(ValueError, match="one shape"):  # empty inputs get no Problem, but the same check
+        ATTENTION.caller_outputs({**shapes, "q": (0, 2, 77, 64)}, "float16", {})
     with pytest.raises(ValueError, match="head dim"):
         ATTENTION.problem_for({n: (1, 2, 77, 48) for n in shapes}, "float16", {})

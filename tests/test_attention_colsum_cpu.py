@@ -57,9 +57,11 @@ def test_output_shapes_follow_the_split():
     with pytest.raises(ValueError, match="autosoft.attention_colsum: split=77"):
         FAMILY.problem_for(shapes, "float16", {"split": 77})
     # an empty input gets empty outputs without a Problem: its split is still checked
+    empty, batchless = (1, 2, 0, 64), (0, 2, 9, 64)
     with pytest.raises(ValueError, match="split=5 is outside 0 < split < N=0"):
-        FAMILY.caller_outputs({"q": (1, 2, 0, 64)}, "float16", {"split": 5})
-    assert FAMILY.caller_outputs({"q": (0, 2, 9, 64)}, "float16", {"split": 5})["colsum"] == ((0, 2, 5), "float32")
+        FAMILY.caller_outputs({"q": empty, "k": empty, "v": empty}, "float16", {"split": 5})
+    assert FAMILY.caller_outputs({"q": batchless, "k": batchless, "v": batchless}, "float16",
+                                 {"split": 5})["colsum"] == ((0, 2, 5), "float32")
 
 
 def test_flops_add_one_product_per_tail_query_and_early_key():

@@ -75,14 +75,19 @@ class AttentionFamily(Family):
 
     def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                     options: Mapping[str, OptionValue]) -> Problem:
+        self.check_shapes(shapes)
+        return super().problem_for(shapes, dtype, options)
+
+    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """q's shape when q, k and v are (B, H, N, D) arrays of one shape (empty ones too), else ValueError."""
         q, k, v = (tuple(shapes[n]) for n in ("q", "k", "v"))
         if len(q) != 4 or k != q or v != q:
             raise ValueError(f"autosoft.{self.name}: q, k, v must be (B, H, N, D) arrays of one shape, got {q}, {k}, {v}")
-        return super().problem_for(shapes, dtype, options)
+        return q
 
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        q = tuple(shapes["q"])
+        q = self.check_shapes(shapes)  # also for empty inputs, which never reach a Problem
         return {"o": (q, dtype), "lse": (q[:3], "float32")}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:

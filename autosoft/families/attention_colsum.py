@@ -84,9 +84,9 @@ class AttentionColsumFamily(AttentionFamily):
 
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        q = tuple(shapes["q"])
+        q = self.check_shapes(shapes)
         split = int(options["split"])
-        if len(q) == 4 and not 0 < split < q[2]:  # also for empty inputs, which never reach a Problem
+        if not 0 < split < q[2]:  # also for empty inputs, which never reach a Problem
             raise ValueError(f"autosoft.{self.name}: split={split} is outside 0 < split < N={q[2]}")
         return {"o": (q, dtype), "colsum": ((*q[:2], split), "float32"), "lse": (q[:3], "float32")}
 
