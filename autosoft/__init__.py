@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import typing as _typing
+
 __version__ = "0.1.0"
 
 from .api import attention, load_cache, softmax  # noqa: E402
@@ -16,7 +18,7 @@ from .errors import NoDeviceError, UserError  # noqa: E402
 __all__ = ["softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> _typing.Callable[..., _typing.Any]:
     """autosoft.<family>: the Python function of a family declared in its own module
     (attention_colsum, plug-in families), built on first use."""
     if not name.startswith("_"):

@@ -4,12 +4,16 @@ and load_cache for tuned kernels from another machine.
 softmax and attention are written out here; any other family that declares a Python function
 (`Family.python_call`) is served as `autosoft.<name>` by `family_function`, with that method's
 signature and docstring, so a new family adds its function in its own module.
+
+The functions are typed for type checkers (the package ships py.typed): torch in, torch out;
+CuPy in, CuPy out (softmax: any other DLPack producer in, CuPy out); with return_lse=True a pair.
+q, k and v of two kinds are a type error, as they are a TypeError at run time.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -17,6 +21,26 @@ from .arrays import call_family
 from .dispatch import DISPATCHER
 from .errors import UserError
 from .families import get_family
+
+if TYPE_CHECKING:
+    import cupy
+    import torch
+
+# The array kinds a call returns as it got them (a constrained type variable: both of torch, or both of CuPy)
+Array = TypeVar("Array", "torch.Tensor", "cupy.ndarray")
+
+
+class DLPackArray(Protocol):
+    """Any other array that hands its CUDA memory over through DLPack (the result is a CuPy array)."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@overload
+def softmax(x: Array) -> Array: ...
+@overload
+def softmax(x: DLPackArray) -> cupy.ndarray: ...
+
 
 
 def softmax(x: Any) -> Any:
@@ -28,6 +52,20 @@ def softmax(x: Any) -> Any:
     TypeError for host arrays, non-arrays and unsupported dtypes, ValueError for a scalar.
     """
     return call_family("softmax", (x,))[0]
+
+
+@overload
+def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ...,
+              return_lse: Literal[False] = ...) -> Array: ...
+@overload
+def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ..., *,
+              return_lse: Literal[True]) -> tuple[Array, Array]: ...
+@overload
+def attention(q: Array, k: Array, v: Array, causal: bool, scale: float | None,
+              return_lse: Literal[True]) -> tuple[Array, Array]: ...
+@overload
+def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ...,
+              return_lse: bool = ...) -> Array | tuple[Array, Array]: ...
 
 
 def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None,
