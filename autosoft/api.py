@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, ove
 import numpy as np
 
 from .arrays import call_family
+from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
 from .errors import UserError
 from .families import get_family
@@ -74,7 +75,9 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     (float16, bfloat16) or CuPy float16 arrays, D in 32, 64, 128. Returns o like q, or (o, lse)
     with return_lse=True: lse (B, H, N) float32, the natural log-sum-exp of each query's scores.
     scale defaults to 1/sqrt(D) and must be positive. Inputs that are not contiguous or 16-byte
-    aligned are copied first."""
+    aligned are copied first. It has no backward: torch tensors that require gradients while
+    autograd records raise RuntimeError (call it under torch.no_grad())."""
+    refuse_gradients("attention", q, k, v)
     head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not scale > 0:  # the kernel tracks the running max of the unscaled scores

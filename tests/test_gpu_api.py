@@ -114,3 +114,21 @@ def test_attention_in_cupy_float16_and_mixed_inputs_refused():
         autosoft.attention(q, tk, v)
     with pytest.raises(ValueError, match="one shape"):
         autosoft.attention(q, k[:, :, :50], v)
+
+
+def test_attention_refuses_inputs_that_require_gradients_until_it_has_a_backward():
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    q, k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    k.requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward"):
+        autosoft.attention(q, k, v)
+    with pytest.raises(RuntimeError, match="no backward"):
+        autosoft.attention_colsum(q, k, v, 32)
+    with torch.no_grad():
+        o = autosoft.attention(q, k, v)
+        o2, colsum = autosoft.attention_colsum(q, k, v, 32)
+    assert o.grad_fn is None and torch.equal(o, o2) and colsum.shape == (1, 2, 32)
+    o3 = autosoft.attention(q, k.detach(), v)
+    assert torch.equal(o, o3)

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..autograd import refuse_gradients
 from ..dtypes import to_float64
 from ..errors import UserError
 from ..space import ParamValue
@@ -106,7 +107,10 @@ class AttentionColsumFamily(AttentionFamily):
         i >= split of softmax(scale * q kᵀ [causal])[b, h, i, j]; with return_lse=True, (o, colsum,
         lse). scale defaults to 1/sqrt(D) and must be positive. deterministic=True uses only
         variants whose colsum is the same bits on every run (the key-major pass, no atomics).
+        It has no backward: torch tensors that require gradients while autograd records raise
+        RuntimeError (call it under torch.no_grad()).
         """
+        refuse_gradients(self.name, q, k, v)
         if isinstance(split, bool) or not isinstance(split, (int, np.integer)):
             raise TypeError(f"autosoft.{self.name}: split must be an int, got {type(split).__name__}")
         head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1

@@ -1,0 +1,26 @@
+"""What autosoft does when torch's autograd is watching: functions without a backward refuse
+inputs that require gradients, so that a training step cannot silently stop learning.
+
+A function whose kernels have no backward yet (attention, attention_colsum) returns outputs that
+carry no gradient; handed q, k or v that require gradients while autograd records, it raises
+instead of returning a tensor that looks right and cannot learn.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["refuse_gradients"]
+
+
+def refuse_gradients(who: str, *arrays: Any) -> None:
+    """RuntimeError when torch is recording gradients and one of the arrays requires them."""
+    torch = sys.modules.get("torch")  # not imported here: a CuPy user never loads torch
+    if torch is None or not torch.is_grad_enabled():
+        return
+    needy = [i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor) and a.requires_grad]
+    if needy:
+        raise RuntimeError(
+            f"autosoft.{who} has no backward yet, so its outputs cannot carry gradients to the inputs that "
+            "require them; call it under torch.no_grad() or on detached tensors (or use torch's "
+            "scaled_dot_product_attention where gradients are needed)")
