@@ -39,8 +39,6 @@ import gc
 import json
 import math
 import statistics
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -51,7 +49,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from provenance import commit  # noqa: E402
 from autosoft.cache import Cache  # noqa: E402
 from autosoft.dispatch import DISPATCHER  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
@@ -94,17 +94,6 @@ class Row:
 
 
 ROWS = [Row(shape, dtype, causal, kind) for shape, dtype, causal in PROBLEMS for kind in SPLITS]
-
-
-def commit() -> str:
-    """The commit measured, as benchmarks/batch_tune.py records it."""
-    if os.environ.get("BENCH_COMMIT"):  # the device machine's copy has no .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 @lru_cache(maxsize=1)

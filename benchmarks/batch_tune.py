@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from provenance import commit  # noqa: E402
 from softmax import DTYPES, SWEEP  # noqa: E402
 
 from autosoft.cache import STORE_ENV, Cache  # noqa: E402
@@ -50,16 +51,6 @@ def entries(cache_path: Path) -> dict[str, dict]:
     return {f"{e.key.shape} {e.key.dtype}": {"variant": e.variant_name, "time_us": e.time_us,
                                              "default_time_us": e.default_time_us}
             for e in Cache(cache_path).entries()}
-
-
-def commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # the device machine's copy has no .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def start_postgres():
