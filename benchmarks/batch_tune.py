@@ -11,6 +11,8 @@ On a machine with several GPUs (the two-GPU measurement):
     python benchmarks/batch_tune.py batch --gpus all --name all-gpus --out DIR  # one per GPU
     python benchmarks/batch_tune.py hosts --out DIR    # one command per GPU as separate "hosts" on one
                                                        # PostgreSQL; the first killed mid-run, started again
+    python benchmarks/batch_tune.py batch --ray --name ray --out DIR           # one Ray task per GPU
+                                                       # of a local one-node cluster
     python benchmarks/batch_tune.py compare --out DIR --first one-gpu --second all-gpus
 
 `--replay FILE` answers from recorded trials instead of the GPU (to try the script without one).
@@ -98,23 +100,24 @@ def singles(out: Path, trials: int, seed: int) -> dict:
 
 
 def batch(out: Path, trials: int, seed: int, storage: str | None, gpus: str | None, name: str,
-          replay: str | None) -> dict:
+          replay: str | None, ray: bool = False) -> dict:
     cache = out / f"{name}.sqlite"
     listing = out / "sweep.yaml"
     write_problems(listing, problems())
     server = None
-    if storage is None and gpus is None:
+    if storage is None and gpus is None and not ray:
         server, storage = start_postgres()
     env = {**os.environ, STORE_ENV: str(out / f"store-{name}")}
     where = ["--storage", storage] if storage else []
     where += ["--gpus", gpus] if gpus else []
+    where += ["--ray"] if ray else []
     try:
         wall = run(["tune", "--problems", str(listing), "--trials", str(trials), "--seed", str(seed),
                     "--cache", str(cache), *where, *replaying(replay)], env)
     finally:
         if server is not None:
             server.close()
-    return {"mode": name, "wall_s": wall, "gpus": gpus,
+    return {"mode": name, "wall_s": wall, "gpus": gpus, "ray": ray,
             "storage": "postgresql (started here)" if server else (storage or "default"),
             "entries": entries(cache)}
 
@@ -215,6 +218,8 @@ def main() -> int:
     parser.add_argument("--storage", default=None, help="batch: a storage URL instead of a PostgreSQL started here")
     parser.add_argument("--gpus", default=None, help="batch: worker processes per GPU (all, or 0,1): the default "
                                                      "journal storage unless --storage")
+    parser.add_argument("--ray", action="store_true", help="batch: one worker per GPU of a local Ray cluster "
+                                                           "(the default journal storage unless --storage)")
     parser.add_argument("--name", default=None, help="batch: the result's name (default batch)")
     parser.add_argument("--replay", default=None, help="answer from the trials recorded in this cache file")
     parser.add_argument("--kill-after", type=int, default=12, help="hosts: kill the first after this many results")
@@ -229,7 +234,7 @@ def main() -> int:
     if args.mode == "singles":
         result = singles(args.out, args.trials, args.seed)
     elif args.mode == "batch":
-        result = batch(args.out, args.trials, args.seed, args.storage, args.gpus, name, args.replay)
+        result = batch(args.out, args.trials, args.seed, args.storage, args.gpus, name, args.replay, args.ray)
     else:
         result = hosts(args.out, args.trials, args.seed, args.replay, args.kill_after)
     gpu = "replay" if args.replay else __import__("autosoft.runtime").runtime.device_info().name
