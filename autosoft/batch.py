@@ -24,6 +24,7 @@ shows the progress of the whole batch, and draws it with tqdm (Optuna's own depe
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import multiprocessing as mp
 import os
 import sys
@@ -38,7 +39,7 @@ from .cache import Cache, CacheKey, Entry
 from .errors import UserError, one_line
 from .families import get_family
 from .families.base import Problem, family_template_digest, space_of
-from .runners import GpuRunner, ReplayRunner, Runner
+from .runners import GpuRunner, ReplayRunner, Runner, default_compile_workers, new_compile_pool
 from .storage import open_storage
 from .worker import Watchdog
 
@@ -104,12 +105,17 @@ class _Runners:
     def __init__(self, spec: BatchSpec):
         self.spec = spec
         self._gpu: GpuRunner | None = None
+        self._pool: cf.ProcessPoolExecutor | None = None
         self._replays: dict[Problem, ReplayRunner] = {}
 
     def get(self, problem: Problem) -> Runner:
         if self.spec.replay is None:
             if self._gpu is None:
-                self._gpu = GpuRunner(workers=self.spec.compile_workers)
+                # its own compile pool, shut down in close(): a worker spawned for --gpus would
+                # otherwise hang at exit on the session pool's processes (runners.compile_pool)
+                workers = self.spec.compile_workers or default_compile_workers()
+                self._pool = new_compile_pool(workers)
+                self._gpu = GpuRunner(workers=workers, pool=self._pool)
             return self._gpu
         if problem not in self._replays:
             try:
@@ -121,6 +127,8 @@ class _Runners:
     def close(self) -> None:
         if self._gpu is not None:
             self._gpu.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_worker(spec: BatchSpec, label: str = "", stop: threading.Event | None = None) -> WorkerSummary:

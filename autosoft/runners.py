@@ -149,10 +149,18 @@ class Runner(abc.ABC):
 
 # --- the GPU ------------------------------------------------------------------------------------
 
+def new_compile_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """A pool of compiler processes (spawned: never forked from a CUDA process); the caller shuts it down."""
+    return cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+
+
 @lru_cache(maxsize=None)
 def compile_pool(workers: int) -> cf.ProcessPoolExecutor:
-    """One pool of compiler processes per session and size (spawned: never forked from a CUDA process)."""
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    """One pool of compiler processes per session and size, shut down at exit. Not for code that
+    runs in a multiprocessing child (a batch worker): such a child joins its child processes
+    before atexit runs, so it would wait forever on a pool still open; it uses new_compile_pool
+    and shuts the pool down itself."""
+    pool = new_compile_pool(workers)
     atexit.register(pool.shutdown)
     return pool
 

@@ -213,6 +213,32 @@ def test_journal_workers_of_one_host_equal_one_process_and_resume_does_nothing(s
     assert report.returncode == 0 and "for 8 problems" in report.stdout, report.stderr  # the board is no problem
 
 
+def _compile_with_a_workers_runners(spec: BatchSpec) -> None:
+    """A spawned worker's use of its GPU runner (batch._Runners): compile through its pool, close."""
+    from autosoft.batch import _Runners
+
+    runners = _Runners(spec)
+    runner = runners.get(spec.problems[0])
+    assert runner.pool.submit(len, "four").result(timeout=120) == 4
+    runners.close()
+
+
+def test_a_spawned_worker_that_compiled_exits_when_done(tmp_path):
+    # A multiprocessing child joins its children before atexit runs: a worker compiling in a
+    # pool that only atexit shuts down never exited (seen with --gpus on the two-GPU machine).
+    import multiprocessing as mp
+
+    spec = BatchSpec(problems=(PROBLEMS[0],), trials=1, cache=str(tmp_path / "k.sqlite"),
+                     storage=f"sqlite:///{tmp_path / 's.sqlite'}", compile_workers=1)
+    proc = mp.get_context("spawn").Process(target=_compile_with_a_workers_runners, args=(spec,))
+    proc.start()
+    proc.join(90)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive and proc.exitcode == 0
+
+
 def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
     cases = {
         ("tune",): "name a family",
