@@ -2,6 +2,7 @@
 
     import autosoft
     y = autosoft.softmax(x)                     # softmax over the last dim (CuPy or CUDA torch)
+    y = autosoft.log_softmax(x, dim=1)          # log-softmax, over any dim
     o = autosoft.attention(q, k, v, causal=True)  # flash-attention forward, (B, H, N, D)
     o, colsum = autosoft.attention_colsum(q, k, v, split)  # and every other family's function
     autosoft.load_cache("tuned.sqlite")
@@ -12,10 +13,10 @@ import typing as _typing
 
 __version__ = "0.1.0"
 
-from .api import attention, load_cache, softmax  # noqa: E402
+from .api import attention, load_cache, log_softmax, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
 
-__all__ = ["softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
+__all__ = ["softmax", "log_softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
 
 
 def __getattr__(name: str) -> _typing.Callable[..., _typing.Any]:

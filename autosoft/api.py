@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
-from .arrays import call_family
+from .arrays import as_cupy, call_family
 from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
 from .errors import UserError
@@ -38,21 +39,78 @@ class DLPackArray(Protocol):
 
 
 @overload
-def softmax(x: Array) -> Array: ...
+def softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
 @overload
-def softmax(x: DLPackArray) -> cupy.ndarray: ...
+def softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
 
 
+def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
+    """Softmax over dimension `dim` (default the last). x is a CUDA torch tensor (float32,
+    float16, bfloat16), a CuPy array (float32, float16) or another DLPack CUDA producer; returns
+    the same kind of array (a DLPack producer gives a CuPy array), shaped like x.
 
-def softmax(x: Any) -> Any:
-    """Softmax over the last dimension; leading dimensions are rows. x is a CUDA torch tensor
-    (float32, float16, bfloat16), a CuPy array (float32, float16) or another DLPack CUDA
-    producer; returns the same kind of array (a DLPack producer gives a CuPy array), shaped like x.
-
-    A non-contiguous input is copied first; an empty input gives an empty output. Raises
-    TypeError for host arrays, non-arrays and unsupported dtypes, ValueError for a scalar.
+    The kernels work along the last dimension: for another `dim`, x is copied once with that
+    dimension moved last, and the result is a view of that layout with it moved back (shaped like
+    x, not contiguous). `out`: an array of x's kind, shape and dtype to write the result into,
+    returned (written directly where it is contiguous, else copied in). A non-contiguous input is
+    copied first; an empty input gives an empty output. Raises TypeError for host arrays,
+    non-arrays and unsupported dtypes, ValueError for a scalar, IndexError for a dim out of range.
     """
-    return call_family("softmax", (x,))[0]
+    if type(dim) is int and dim == -1:
+        return call_family("softmax", (x,), out=out)[0]
+    return _along(x, dim, out, None, "softmax")
+
+
+@overload
+def log_softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
+@overload
+def log_softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
+
+
+_LOG = {"log": True}
+
+
+def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
+    """log(softmax(x)) over dimension `dim`, computed as x - max - log(sum(e^(x - max))): the
+    softmax family's log variant, tuned as its own problems (`autosoft tune softmax --log`). The
+    arrays, `dim` and `out` as for autosoft.softmax."""
+    if type(dim) is int and dim == -1:
+        return call_family("softmax", (x,), options=_LOG, out=out)[0]
+    return _along(x, dim, out, _LOG, "log_softmax")
+
+
+def _along(x: Any, dim: Any, out: Any, options: dict[str, Any] | None, who: str) -> Any:
+    """The softmax family along `dim`: the last directly, another moved last (one copy), computed,
+    moved back."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"autosoft.{who}: dim must be an int, got {type(dim).__name__}")
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return call_family("softmax", (x,), options=options)[0]  # the array layer says what x is not
+    ndim = len(shape)
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {ndim}-dimensional input "
+                         f"(expected {-max(ndim, 1)} to {max(ndim, 1) - 1})")
+    dim = int(dim) % ndim if ndim else 0
+    if dim == ndim - 1 or ndim == 0:
+        return call_family("softmax", (x,), options=options, out=out)[0]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        y = call_family("softmax", (x.movedim(dim, -1),), options=options)[0].movedim(-1, dim)
+    else:
+        import cupy  # as_cupy has made sure it is there: x is a CuPy array or a CUDA DLPack producer
+
+        x = as_cupy(get_family("softmax"), [x])[0]
+        y = cupy.moveaxis(call_family("softmax", (cupy.moveaxis(x, dim, -1),), options=options)[0], -1, dim)
+    if out is None:
+        return y
+    if tuple(out.shape) != tuple(y.shape) or str(out.dtype) != str(y.dtype) or type(out) is not type(y):
+        raise ValueError(f"autosoft.{who}: out must be a {y.dtype} array of shape {tuple(y.shape)} like the "
+                         f"result, got {type(out).__name__} {out.dtype} {tuple(out.shape)}")
+    if hasattr(out, "copy_"):
+        return out.copy_(y)
+    out[...] = y
+    return out
 
 
 @overload

@@ -24,13 +24,17 @@ VEC_ALIGN = 16  # the kernels read 16-byte vectors: an output shares its input's
 
 
 def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, OptionValue] | None = None,
-                scalars: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+                scalars: Mapping[str, Any] | None = None, out: Any = None) -> tuple[Any, ...]:
     """Run family `name` on `arrays` (in the order of its array inputs) with its problem options
     and run-time scalar arguments; returns its outputs in the order of `family.outputs`, each in
     the framework of the first array (torch in, torch out; a DLPack producer gives CuPy arrays).
+    `out`: an array of the caller's framework to hold the first output (shape and dtype exactly
+    the output's), returned in its place. The kernel writes into it where it is contiguous, shares
+    the first input's address mod 16 and is not that input; otherwise the output is copied in.
 
     Raises TypeError for host arrays, non-arrays, mixed frameworks and dtypes the family does not
-    take; ValueError for shapes it does not take; NoDeviceError where no GPU is usable.
+    take; ValueError for shapes it does not take, and for an `out` of the wrong shape, dtype or
+    device; NoDeviceError where no GPU is usable.
     """
     opts = tuple(options.items()) if options else ()
     names = tuple(scalars) if scalars else ()
@@ -51,17 +55,29 @@ def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, Optio
             plan = _prepare(get_family(name), _TorchArrays(torch), arrays, options or {}, names)
             if key is not None:
                 DISPATCHER.fast[key] = plan
-        return plan(arrays, values)
+        return plan(arrays, values) if out is None else _into(name, plan, arrays, values, out, torch)
     family = get_family(name)
-    arrays = _as_cupy(family, arrays)
+    arrays = as_cupy(family, arrays)
     key = (name, opts, names, *[(a.dtype, a.shape, a.data.device_id) for a in arrays])
     plan = DISPATCHER.fast.get(key)
     if plan is None:
         plan = DISPATCHER.fast[key] = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options or {}, names)
-    return plan(arrays, values)
+    return plan(arrays, values) if out is None else _into(name, plan, arrays, values, out, None)
 
 
-def _as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:
+def _into(name: str, plan: Callable[..., tuple[Any, ...]], arrays: Sequence[Any], values: tuple[Any, ...],
+          out: Any, torch: Any) -> tuple[Any, ...]:
+    """The plan's outputs with the first one in `out`: checked against the output the plan gives
+    (shape, dtype, device, framework), written there directly where the kernel can, else copied."""
+    who = f"autosoft.{name}"
+    if torch is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"{who}: out must be a torch tensor like the input, not {type(out).__name__}")
+    if torch is None and not type(out).__module__.startswith("cupy"):
+        raise TypeError(f"{who}: out must be a CuPy array like the input, not {type(out).__name__}")
+    return plan(arrays, values, out)
+
+
+def as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:
     """CuPy arrays for CuPy arrays and DLPack CUDA producers; TypeError, before CUDA is touched,
     for anything else."""
     who = f"autosoft.{family.name}"
@@ -109,8 +125,12 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     shapes = {n: tuple(int(s) for s in a.shape) for n, a in zip(array_names, arrays)}
     outputs = family.caller_outputs(shapes, dtype, options)
     if any(fw.size(a) == 0 for a in arrays):
-        def empty(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
-            return tuple(fw.empty(shape, dt, device, 0) for shape, dt in outputs.values())
+        def empty(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
+            outs = [fw.empty(shape, dt, device, 0) for shape, dt in outputs.values()]
+            if given is not None:
+                fw.check_out(given, next(iter(outputs.values())), device, 0)
+                outs[0] = given
+            return tuple(outs)
         return empty
     problem = family.problem_for(shapes, dtype, options)
     launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names, scalar_names)
@@ -137,13 +157,36 @@ class _Framework:
         form; frameworks may specialise it."""
         fix, ptr, empty, stream = self.fix, self.ptr, self.empty, self.stream
 
-        def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+        check_out, copy_into = self.check_out, self.copy_into
+
+        def plan(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
             ptrs = [ptr(fix(a, align)) for a in arrays]
-            outs = tuple(empty(shape, dt, device, ptrs[0]) for shape, dt in specs)
+            outs = [empty(shape, dt, device, ptrs[0]) for shape, dt in specs]
+            direct = given is not None and check_out(given, specs[0], device, ptrs[0])
+            if direct:
+                outs[0] = given
             launch(*ptrs, *[ptr(o) for o in outs], *scalars, stream(device))
-            return outs
+            if given is not None and not direct:
+                outs[0] = copy_into(given, outs[0])
+            return tuple(outs)
 
         return plan
+
+    def check_out(self, out: Any, spec: tuple[tuple[int, ...], str], device: int, first_ptr: int) -> bool:
+        """ValueError unless `out` has the output's shape, dtype and device; whether the kernel can
+        write into it: contiguous, the first input's address mod 16, not that input's memory."""
+        shape, dtype = spec
+        if tuple(out.shape) != tuple(shape) or self.dtype(out) != dtype or self.device(out) != device:
+            raise ValueError(f"out must be a {dtype} array of shape {tuple(shape)} on device {device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on device {self.device(out)}")
+        address = self.ptr(out)
+        return self.contiguous(out) and address % VEC_ALIGN == first_ptr % VEC_ALIGN and address != first_ptr
+
+    def contiguous(self, a: Any) -> bool: ...
+
+    def copy_into(self, out: Any, result: Any) -> Any:
+        out[...] = result
+        return out
 
     def loaded(self, problem: Problem, device: int) -> Any:
         from .runtime import cupy_module
@@ -168,17 +211,20 @@ class _TorchArrays(_Framework):
         empty, empty_like, contiguous = torch.empty, torch.empty_like, torch.contiguous_format
         where = torch.device("cuda", device)
         outs_spec = tuple((shape, self._dtypes[dt]) for shape, dt in specs)
-        stream, realign = self.stream, self._realigned
+        stream, realign, check_out = self.stream, self._realigned, self.check_out
 
         if n_arrays == 1 and len(outs_spec) == 1 and align == 1:
             # one array in, one out, any address (softmax): the fewest torch calls per call
             (out_shape, out_dtype), = outs_spec
 
-            def plan_one(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+            def plan_one(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
                 a = arrays[0]
                 if not a.is_contiguous():
                     a = a.clone(memory_format=contiguous)
                 x = a.data_ptr()
+                if given is not None and check_out(given, specs[0], device, x):
+                    launch(x, given.data_ptr(), *scalars, stream(device))
+                    return (given,)
                 out = empty_like(a) if a.dtype == out_dtype and a.shape == out_shape else \
                     empty(out_shape, dtype=out_dtype, device=where)
                 y = out.data_ptr()
@@ -186,20 +232,21 @@ class _TorchArrays(_Framework):
                     out = realign(out, x % VEC_ALIGN)
                     y = out.data_ptr()
                 launch(x, y, *scalars, stream(device))
-                return (out,)
+                return (out,) if given is None else (given.copy_(out),)
 
             return plan_one
 
-        def plan(arrays: Sequence[Any], scalars: tuple[Any, ...]) -> tuple[Any, ...]:
+        def plan(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
             ptrs = []
             for a in arrays:
                 if not a.is_contiguous() or (align > 1 and a.data_ptr() % align):
                     a = a.clone(memory_format=contiguous)  # a fresh block is 256-byte aligned
                 ptrs.append(a.data_ptr())
             first = ptrs[0] % VEC_ALIGN
+            direct = given is not None and check_out(given, specs[0], device, ptrs[0])
             outs = []
-            for shape, dt in outs_spec:
-                out = empty(shape, dtype=dt, device=where)
+            for i, (shape, dt) in enumerate(outs_spec):
+                out = given if i == 0 and direct else empty(shape, dtype=dt, device=where)
                 address = out.data_ptr()
                 if address % VEC_ALIGN != first:
                     out = realign(out, first)
@@ -207,6 +254,8 @@ class _TorchArrays(_Framework):
                 outs.append(out)
                 ptrs.append(address)
             launch(*ptrs, *scalars, stream(device))
+            if given is not None and not direct:
+                outs[0] = given.copy_(outs[0])
             return tuple(outs)
 
         return plan
@@ -233,6 +282,12 @@ class _TorchArrays(_Framework):
 
     def ptr(self, a: Any) -> int:
         return a.data_ptr()
+
+    def contiguous(self, a: Any) -> bool:
+        return a.is_contiguous()
+
+    def copy_into(self, out: Any, result: Any) -> Any:
+        return out.copy_(result)
 
     def fix(self, a: Any, align: int) -> Any:
         if a.is_contiguous() and a.data_ptr() % align == 0:
@@ -271,6 +326,9 @@ class _CupyArrays(_Framework):
 
     def ptr(self, a: Any) -> int:
         return a.data.ptr
+
+    def contiguous(self, a: Any) -> bool:
+        return a.flags.c_contiguous
 
     def fix(self, a: Any, align: int) -> Any:
         if a.flags.c_contiguous and a.data.ptr % align == 0:

@@ -1,4 +1,6 @@
-"""Softmax over the last dimension of an (M, N) array: fp32, fp16 and bf16 in, fp32 arithmetic."""
+"""Softmax over the last dimension of an (M, N) array: fp32, fp16 and bf16 in, fp32 arithmetic.
+With the problem option `log`, the log-softmax: the same kernels, whose write pass emits
+x - max - log(sum) instead of e^(x - max) / sum."""
 from __future__ import annotations
 
 import math
@@ -11,7 +13,7 @@ from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .base import Family, Launch, OptionValue, Problem, Target, valid_neighbours
+from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}
@@ -26,20 +28,28 @@ TOLERANCE = {
     "bfloat16": (8e-3, 1e-4, 1e-37),
 }
 
+# The log-softmax's tolerance: |y - ref| <= LOG_RTOL*|ref| (the output's rounding) + LOG_ATOL*(the
+# row's largest finite |x - max| + 1) (fp32 arithmetic on x - max and log(sum)).
+LOG_RTOL = {"float32": 2e-6, "float16": 1.5e-3, "bfloat16": 8e-3}
+LOG_ATOL = {"float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-4}
+
 
 class SoftmaxFamily(Family):
-    """y = softmax(x) over the last dimension of an (M, N) array; leading dimensions of a
-    caller's array are flattened into M."""
+    """y = softmax(x) over the last dimension of an (M, N) array, or y = log_softmax(x) with the
+    option `log`; leading dimensions of a caller's array are flattened into M."""
     name = "softmax"
     template = "softmax/softmax.cu.j2"
     inputs = ("x",)
     outputs = ("y",)
+    options = (ProblemOption("log", "the log-softmax: y = x - max - log(sum of e^(x - max)) over each row"),)
     input_kinds = ("normal", "normal_x100", "neg_inf", "equal_rows")
     input_alignment = 1  # a row that starts mid-vector gets a scalar prefix
     shape_help = "MxN: rows x row length, e.g. 4096x8192"
     examples = (("1x1", "float32", {}), ("7x1025", "float16", {}), ("3x33", "bfloat16", {}),
                 ("4096x8192", "float32", {}), ("4097x8192", "bfloat16", {}), ("65536x64", "float16", {}),
-                ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {}))
+                ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {}),
+                ("7x1025", "float32", {"log": True}), ("4096x8192", "bfloat16", {"log": True}),
+                ("32x131072", "float16", {"log": True}))
 
     def parse_shape(self, text: str) -> tuple[int, int]:
         match = _SHAPE.match(str(text))
@@ -72,11 +82,11 @@ class SoftmaxFamily(Family):
         m, n = problem.shape
         # 4 KiB stays free for the static reduction scratch
         return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "smem_limit": target.smem_optin - 4096,
-                "arch": int(target.arch), "sm_count": target.sm_count}
+                "arch": int(target.arch), "sm_count": target.sm_count, "log": "log" in problem.flags}
 
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
-        name = (f"softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
+        name = (f"{'log_' if problem.option('log') else ''}softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
                 f"_u{p['unroll']}_{p['storage']}_{p['normalise']}_{p['reduce']}")
         if p["split"] != 1:
             name += f"_{_SPLIT_NAMES[p['combine']]}{p['split']}"
@@ -219,12 +229,23 @@ class SoftmaxFamily(Family):
 
     def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
         x = to_float64(inputs["x"], problem.dtype, xp)
-        ref = xp.exp(x - x.max(axis=1, keepdims=True))
-        ref /= ref.sum(axis=1, keepdims=True)
         y = to_float64(outputs["y"], problem.dtype, xp)
         rtol, row_atol, abs_atol = TOLERANCE[problem.dtype]
-        tol = rtol * xp.abs(ref) + row_atol * ref.max(axis=1, keepdims=True) + abs_atol
-        err = xp.abs(y - ref)
+        if problem.option("log"):
+            shifted = x - x.max(axis=1, keepdims=True)
+            ref = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+            # x - max - log(sum) in fp32: the rounding of x - max and of log(sum), up to the row's
+            # largest finite |x - max|, then the output's own rounding
+            finite = xp.isfinite(shifted)
+            scale = xp.where(finite, xp.abs(shifted), 0.0).max(axis=1, keepdims=True) + 1.0
+            tol = LOG_RTOL[problem.dtype] * xp.abs(xp.where(finite, ref, 0.0)) + LOG_ATOL[problem.dtype] * scale
+            both = xp.isneginf(ref) & xp.isneginf(y)  # x = -inf gives -inf
+            err = xp.abs(xp.where(both, 0.0, y) - xp.where(both, 0.0, ref))
+        else:
+            ref = xp.exp(x - x.max(axis=1, keepdims=True))
+            ref /= ref.sum(axis=1, keepdims=True)
+            tol = rtol * xp.abs(ref) + row_atol * ref.max(axis=1, keepdims=True) + abs_atol
+            err = xp.abs(y - ref)
         bad = ~(err <= tol)  # NaN (an unwritten, poisoned element) counts as bad
         nbad = int(bad.sum())
         if nbad == 0:
