@@ -182,6 +182,38 @@ def test_cpu_tensors_are_refused_alike_by_the_fake_and_the_real_implementation()
                           fake_cuda(1, 2, 8, 64, dtype=F16), False, 0.125)
 
 
+def test_the_real_implementations_call_the_array_layer_as_the_public_functions_do(monkeypatch):
+    """Same family, arrays, options and scalars: the same plan and kernels (a stand-in array layer
+    records each call; the GPU tests check that the outputs agree)."""
+    import autosoft.api
+
+    calls = []
+
+    def record(name, arrays, *, options=None, scalars=None):
+        calls.append((name, [id(a) for a in arrays], dict(options or {}),
+                      {k: (type(v), v) for k, v in (scalars or {}).items()}))
+        outs = autosoft.families.get_family(name).caller_outputs(
+            {n: tuple(a.shape) for n, a in zip(("q", "k", "v") if len(arrays) == 3 else ("x",), arrays)},
+            "float16", options or {})
+        return tuple(torch.zeros(shape) for shape, _ in outs.values())
+
+    monkeypatch.setattr(autosoft.api, "call_family", record)
+    monkeypatch.setattr(torch_ops, "call_family", record)
+    x, q, k, v = torch.randn(4, 8), *[torch.randn(1, 2, 16, 64, dtype=F16) for _ in range(3)]
+    pairs = [(lambda: autosoft.softmax(x), lambda: ops.softmax(x)),
+             (lambda: autosoft.attention(q, k, v, causal=True, scale=0.3, return_lse=True),
+              lambda: ops.attention(q, k, v, True, 0.3)),
+             (lambda: autosoft.attention(q, k, v), lambda: ops.attention(q, k, v, False, 64 ** -0.5)),
+             (lambda: autosoft.attention_colsum(q, k, v, 5, causal=True, scale=0.3, deterministic=True),
+              lambda: ops.attention_colsum(q, k, v, 5, True, 0.3, True)),
+             (lambda: autosoft.attention_colsum(q, k, v, 15), lambda: ops.attention_colsum(q, k, v, 15, False, 0.125, False))]
+    for public, op in pairs:
+        calls.clear()
+        public()
+        op()
+        assert len(calls) == 2 and calls[0] == calls[1], calls
+
+
 @pytest.mark.parametrize("name", torch_ops.OPS)
 def test_opcheck_on_meta_tensors(name):
     """torch.library.opcheck: schema, autograd registration, fake tensor and AOT dispatch tests. On
