@@ -311,6 +311,19 @@ def test_compile_fullgraph_traces_the_three_operators_into_one_graph(no_kernels,
     torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Dynamo's notes on what it cannot see into
+def test_the_public_function_is_what_fullgraph_refuses(no_kernels):
+    """Why the operators exist: Dynamo cannot trace autosoft.softmax's Python (plans, CuPy's
+    device context, ctypes launches), so fullgraph=True refuses it at trace time, before anything runs."""
+    pytest.importorskip("cupy")  # where Dynamo stops; without CuPy the trace would end elsewhere
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: autosoft.softmax(x) * 2, backend="eager", fullgraph=True)
+    with FakeTensorMode():
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            compiled(fake_cuda(4, 8))
+    torch._dynamo.reset()
+
+
 def test_dynamo_explain_counts_no_graph_break(no_kernels):
     torch._dynamo.reset()
     with FakeTensorMode():
