@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["refuse_gradients"]
+__all__ = ["refuse_gradients", "no_backward_error"]
 
 
 def refuse_gradients(who: str, *arrays: Any) -> None:
@@ -20,7 +20,14 @@ def refuse_gradients(who: str, *arrays: Any) -> None:
         return
     needy = [i for i, a in enumerate(arrays) if isinstance(a, torch.Tensor) and a.requires_grad]
     if needy:
-        raise RuntimeError(
-            f"autosoft.{who} has no backward yet, so its outputs cannot carry gradients to the inputs that "
-            "require them; call it under torch.no_grad() or on detached tensors (or use torch's "
-            "scaled_dot_product_attention where gradients are needed)")
+        raise no_backward_error(who)
+
+
+def no_backward_error(who: str, instead: str = "scaled_dot_product_attention") -> RuntimeError:
+    """The error of a call that autograd would record on a function without a backward (also
+    what the torch custom operators of autosoft.torch_ops raise); `instead` names the torch
+    function to use where gradients are needed."""
+    return RuntimeError(
+        f"autosoft.{who} has no backward yet, so its outputs cannot carry gradients to the inputs that "
+        f"require them; call it under torch.no_grad() or on detached tensors (or use torch's "
+        f"{instead} where gradients are needed)")

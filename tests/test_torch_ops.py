@@ -1,0 +1,374 @@
+"""autosoft's torch custom operators (autosoft.torch_ops) without a GPU: registration, the fake
+implementations' shapes, dtypes and errors, the refusal of gradients, and torch.compile tracing
+them into one graph with no break.
+
+No test here runs a kernel. torch's FakeTensorMode makes CUDA fake tensors on a CPU-only torch
+(only creating them: viewing or slicing one, or making one require gradients, needs CUDA), so
+the shape tests and the compiled models run on CUDA fake tensors, the kind a real call passes.
+Where autograd or AOTAutograd must run (they build their own fake mode, or an autograd graph node
+on a CUDA fake tensor aborts the process on a CPU-only torch) the inputs are meta tensors, which
+reach only the fake implementations too. tests/test_gpu_torch_ops.py runs the real kernels."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import autosoft  # noqa: E402
+import autosoft.torch_ops as torch_ops  # noqa: E402
+from autosoft.autograd import no_backward_error  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+ops = torch.ops.autosoft
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """Any call of a real implementation fails the test: tracing must not run kernels."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a real implementation ran while tracing")
+    monkeypatch.setattr(torch_ops, "call_family", refuse)
+
+
+def fake_cuda(*shape, dtype=F32):
+    return torch.empty(shape, device="cuda", dtype=dtype)
+
+
+# --- registration -------------------------------------------------------------------------
+
+def test_the_three_operators_are_registered_with_their_schemas():
+    schemas = {name: str(getattr(ops, name).default._schema) for name in torch_ops.OPS}
+    assert schemas == {
+        "softmax": "autosoft::softmax(Tensor x) -> Tensor",
+        "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) "
+                     "-> (Tensor o, Tensor lse)",
+        "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
+                            "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)"}
+    for name in torch_ops.OPS:  # custom_op marks them as safe for torch.compile; none mutates its inputs
+        overload = getattr(ops, name).default
+        assert torch.Tag.pt2_compliant_tag in overload.tags
+        assert not overload._schema.is_mutable
+        assert getattr(torch_ops, name)._opoverload is overload
+
+
+def test_register_is_idempotent_from_many_threads():
+    before = ops.softmax.default
+    errors = []
+
+    def again():
+        try:
+            torch_ops.register()
+        except Exception as exc:  # noqa: BLE001 - any error is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=again) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and ops.softmax.default is before
+
+
+def test_autosoft_alone_never_imports_torch_and_torch_ops_registers_on_import():
+    code = ("import sys, autosoft; autosoft.softmax; autosoft.attention_colsum; "
+            "assert 'torch' not in sys.modules, 'autosoft imported torch'; "
+            "import autosoft.torch_ops, torch; torch.ops.autosoft.attention_colsum.default; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+# --- the fake implementations ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("shape", [(7, 33), (2, 3, 1000), (5,), (0, 8)])
+def test_fake_softmax_gives_y_like_x(dtype, shape):
+    with FakeTensorMode():
+        y = ops.softmax(fake_cuda(*shape, dtype=dtype))
+    assert (y.shape, y.dtype, y.device.type, y.is_contiguous()) == (shape, dtype, "cuda", True)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_fake_attention_gives_o_like_q_and_float32_lse(dtype):
+    with FakeTensorMode():
+        q = fake_cuda(2, 3, 77, 64, dtype=dtype)
+        o, lse = ops.attention(q, fake_cuda(2, 3, 77, 64, dtype=dtype), fake_cuda(2, 3, 77, 64, dtype=dtype), True, 0.125)
+    assert (o.shape, o.dtype, o.device.type, o.is_contiguous()) == ((2, 3, 77, 64), dtype, "cuda", True)
+    assert (lse.shape, lse.dtype, lse.device.type) == ((2, 3, 77), F32, "cuda")
+
+
+@pytest.mark.parametrize("split", [1, 40, 76])
+def test_fake_attention_colsum_gives_o_colsum_and_lse(split):
+    with FakeTensorMode():
+        q = fake_cuda(1, 4, 77, 128, dtype=BF16)
+        o, colsum, lse = ops.attention_colsum(q, q, q, split, True, 0.1, False)
+    assert (o.shape, o.dtype) == ((1, 4, 77, 128), BF16)
+    assert (colsum.shape, colsum.dtype, colsum.device.type) == ((1, 4, split), F32, "cuda")
+    assert (lse.shape, lse.dtype) == ((1, 4, 77), F32)
+
+
+def test_empty_inputs_give_empty_outputs_as_the_real_path_does():
+    with FakeTensorMode():
+        q = fake_cuda(0, 2, 8, 48, dtype=F16)  # an empty call skips the head-dim check, as arrays._prepare does
+        o, lse = ops.attention(q, q, q, False, 1.0)
+    assert o.shape == (0, 2, 8, 48) and lse.shape == (0, 2, 8)
+
+
+def test_meta_tensors_are_accepted_for_shape_inference():
+    q = torch.empty(2, 3, 16, 64, device="meta", dtype=F16)
+    o, colsum, lse = ops.attention_colsum(q, q, q, 5, False, 0.125, True)
+    assert [(t.device.type, tuple(t.shape)) for t in (o, colsum, lse)] == \
+        [("meta", (2, 3, 16, 64)), ("meta", (2, 3, 5)), ("meta", (2, 3, 16))]
+
+
+BAD_CALLS = [
+    # (what is wrong, call on fake tensors made by `t`, error, message)
+    ("q, k, v of two shapes", lambda t: ops.attention(t(1, 2, 16, 64), t(1, 2, 16, 64), t(1, 2, 8, 64), False, 0.1),
+     ValueError, r"autosoft\.attention: q, k, v must be \(B, H, N, D\) arrays of one shape, got \(1, 2, 16, 64\), "
+                 r"\(1, 2, 16, 64\), \(1, 2, 8, 64\)"),
+    ("3-d q", lambda t: ops.attention(t(2, 16, 64), t(2, 16, 64), t(2, 16, 64), False, 0.1),
+     ValueError, r"autosoft\.attention: q, k, v must be \(B, H, N, D\)"),
+    ("head dim 48", lambda t: ops.attention(t(1, 2, 16, 48), t(1, 2, 16, 48), t(1, 2, 16, 48), True, 0.1),
+     ValueError, r"autosoft\.attention: shape '1x2x16x48': head dim D=48 is not supported"),
+    ("dtypes differ", lambda t: ops.attention(t(1, 2, 16, 64), t(1, 2, 16, 64, dtype=BF16), t(1, 2, 16, 64), True, 0.1),
+     TypeError, r"autosoft\.attention: q, k, v must share one dtype, got torch\.float16, torch\.bfloat16, torch\.float16"),
+    ("float32 attention", lambda t: ops.attention(*[t(1, 2, 16, 64, dtype=F32)] * 3, True, 0.1),
+     TypeError, r"autosoft\.attention: unsupported dtype torch\.float32; use float16 or bfloat16"),
+    ("scale 0", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, True, 0.0),
+     ValueError, r"autosoft\.attention: scale must be positive, got 0\.0"),
+    ("split = N", lambda t: ops.attention_colsum(*[t(1, 2, 16, 64)] * 3, 16, True, 0.1, False),
+     ValueError, r"autosoft\.attention_colsum: split=16 is outside 0 < split < N=16"),
+    ("split 0", lambda t: ops.attention_colsum(*[t(1, 2, 16, 64)] * 3, 0, False, 0.1, True),
+     ValueError, r"autosoft\.attention_colsum: split=0 is outside 0 < split < N=16"),
+    ("negative scale colsum", lambda t: ops.attention_colsum(*[t(1, 2, 16, 64)] * 3, 4, False, -1.0, True),
+     ValueError, r"autosoft\.attention_colsum: scale must be positive, got -1\.0"),
+    ("int softmax", lambda t: ops.softmax(t(4, 8, dtype=torch.int32)),
+     TypeError, r"autosoft\.softmax: unsupported dtype torch\.int32; use float32 or float16 or bfloat16"),
+    ("0-d softmax", lambda t: ops.softmax(t(dtype=F32)),
+     ValueError, r"autosoft\.softmax: x is a scalar; it needs at least one dimension"),
+]
+
+
+@pytest.mark.parametrize("what, call, error, message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_fake_implementations_raise_the_real_paths_errors(what, call, error, message):
+    with FakeTensorMode():
+        with pytest.raises(error, match=message):
+            call(lambda *shape, dtype=F16: fake_cuda(*shape, dtype=dtype))
+
+
+def test_cpu_tensors_are_refused_alike_by_the_fake_and_the_real_implementation():
+    """The real implementation on CPU tensors is the public function's path: its TypeError comes
+    before any CUDA is touched. The fake implementation raises the same one while tracing."""
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError) as public:
+        autosoft.softmax(x)
+    with pytest.raises(TypeError) as real:
+        ops.softmax(x)
+    with FakeTensorMode():
+        with pytest.raises(TypeError) as fake:
+            ops.softmax(torch.empty(4, 8))
+    assert str(real.value) == str(fake.value) == str(public.value) == \
+        "autosoft.softmax: x is a CPU tensor; move it to the GPU first (x.cuda())"
+    q = torch.randn(1, 2, 8, 64, dtype=F16)
+    with pytest.raises(TypeError, match=r"autosoft\.attention_colsum: q is a CPU tensor"):
+        ops.attention_colsum(q, q, q, 4, False, 0.125, False)
+    with FakeTensorMode():
+        with pytest.raises(TypeError, match=r"autosoft\.attention: k is a CPU tensor"):
+            ops.attention(fake_cuda(1, 2, 8, 64, dtype=F16), torch.empty(1, 2, 8, 64, dtype=F16),
+                          fake_cuda(1, 2, 8, 64, dtype=F16), False, 0.125)
+
+
+def test_the_real_implementations_call_the_array_layer_as_the_public_functions_do(monkeypatch):
+    """Same family, arrays, options and scalars: the same plan and kernels (a stand-in array layer
+    records each call; the GPU tests check that the outputs agree)."""
+    import autosoft.api
+
+    calls = []
+
+    def record(name, arrays, *, options=None, scalars=None):
+        calls.append((name, [id(a) for a in arrays], dict(options or {}),
+                      {k: (type(v), v) for k, v in (scalars or {}).items()}))
+        outs = autosoft.families.get_family(name).caller_outputs(
+            {n: tuple(a.shape) for n, a in zip(("q", "k", "v") if len(arrays) == 3 else ("x",), arrays)},
+            "float16", options or {})
+        return tuple(torch.zeros(shape) for shape, _ in outs.values())
+
+    monkeypatch.setattr(autosoft.api, "call_family", record)
+    monkeypatch.setattr(torch_ops, "call_family", record)
+    x, q, k, v = torch.randn(4, 8), *[torch.randn(1, 2, 16, 64, dtype=F16) for _ in range(3)]
+    pairs = [(lambda: autosoft.softmax(x), lambda: ops.softmax(x)),
+             (lambda: autosoft.attention(q, k, v, causal=True, scale=0.3, return_lse=True),
+              lambda: ops.attention(q, k, v, True, 0.3)),
+             (lambda: autosoft.attention(q, k, v), lambda: ops.attention(q, k, v, False, 64 ** -0.5)),
+             (lambda: autosoft.attention_colsum(q, k, v, 5, causal=True, scale=0.3, deterministic=True),
+              lambda: ops.attention_colsum(q, k, v, 5, True, 0.3, True)),
+             (lambda: autosoft.attention_colsum(q, k, v, 15), lambda: ops.attention_colsum(q, k, v, 15, False, 0.125, False))]
+    for public, op in pairs:
+        calls.clear()
+        public()
+        op()
+        assert len(calls) == 2 and calls[0] == calls[1], calls
+
+
+@pytest.mark.parametrize("name", torch_ops.OPS)
+def test_opcheck_on_meta_tensors(name):
+    """torch.library.opcheck: schema, autograd registration, fake tensor and AOT dispatch tests. On
+    meta tensors only the fake implementation runs (the real one needs CUDA tensors and a GPU):
+    this checks the registration's consistency; the GPU tests compare fake and real outputs."""
+    meta = torch.empty(2, 3, 16, 64, device="meta", dtype=F16)
+    args = {"softmax": (torch.empty(7, 33, device="meta"),), "attention": (meta, meta, meta, True, 0.125),
+            "attention_colsum": (meta, meta, meta, 5, True, 0.125, False)}[name]
+    results = torch.library.opcheck(getattr(ops, name).default, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
+# --- gradients: refused, as the public attention functions refuse them ------------------------
+
+@pytest.mark.parametrize("name", torch_ops.OPS)
+def test_inputs_that_require_gradients_are_refused_while_autograd_records(name):
+    meta = torch.empty(1, 2, 16, 64, device="meta", dtype=F16)
+    needy = meta.clone().requires_grad_()
+    call = {"softmax": lambda a: ops.softmax(a),
+            "attention": lambda a: ops.attention(meta, a, meta, True, 0.125),
+            "attention_colsum": lambda a: ops.attention_colsum(a, meta, meta, 4, True, 0.125, False)}[name]
+    with pytest.raises(RuntimeError) as refused:
+        call(needy)
+    expected = no_backward_error(name, "softmax") if name == "softmax" else no_backward_error(name)
+    assert str(refused.value) == str(expected)
+    with torch.no_grad():
+        outs = call(needy)
+    assert not any(t.requires_grad for t in (outs if isinstance(outs, tuple) else (outs,)))
+    call(needy.detach())  # no input requires gradients: nothing to refuse
+
+
+def test_the_refusal_is_the_public_functions_error_for_attention():
+    from autosoft.autograd import refuse_gradients
+
+    needy = torch.empty(1, device="meta", requires_grad=True)
+    with pytest.raises(RuntimeError) as public:
+        refuse_gradients("attention", needy)
+    assert str(public.value) == str(no_backward_error("attention"))
+
+
+def test_compiling_a_call_on_inputs_that_require_gradients_fails_at_compile_time():
+    meta = torch.empty(1, 2, 16, 64, device="meta", dtype=F16)
+    compiled = torch.compile(lambda q, k, v: ops.attention(q, k, v, True, 0.125)[0] * 2, backend="eager",
+                             fullgraph=True)
+    # Dynamo wraps an error of the fake run in its TorchRuntimeError (a RuntimeError) with ours in the message
+    with pytest.raises(RuntimeError, match=r"autosoft\.attention has no backward yet"):
+        compiled(meta, meta.clone().requires_grad_(), meta)
+    with torch.no_grad():
+        assert compiled(meta, meta.clone().requires_grad_(), meta).shape == (1, 2, 16, 64)
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+
+class Model(torch.nn.Module):
+    """Each operator, with torch work around it that the graph must also hold."""
+
+    def forward(self, x, q, k, v):
+        y = ops.softmax(x * 2)
+        o, lse = ops.attention(q, k, v, True, 0.125)
+        o2, colsum, lse2 = ops.attention_colsum(q, k, v, 5, False, 0.125, True)
+        return y + 1, o + o2, lse - lse2, colsum.sum(-1)
+
+
+def record_graphs():
+    """A torch.compile backend that keeps each FX graph and runs it as traced (here, on fake tensors)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
+def op_targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "autosoft" in str(n.target)]
+
+
+def model_inputs(n=16, rows=7):
+    return (fake_cuda(rows, 33), *[fake_cuda(2, 3, n, 64, dtype=F16) for _ in range(3)])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_traces_the_three_operators_into_one_graph(no_kernels, dynamic):
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(Model(), backend=backend, fullgraph=True, dynamic=dynamic)
+    with FakeTensorMode():
+        y, o, lse, colsum = compiled(*model_inputs())
+        assert [tuple(t.shape) for t in (y, o, lse, colsum)] == [(7, 33), (2, 3, 16, 64), (2, 3, 16), (2, 3)]
+        assert (y.dtype, o.dtype, lse.dtype, colsum.dtype) == (F32, F16, F32, F32)
+        compiled(*model_inputs(n=40, rows=9))  # other sizes: a new graph, or the same symbolic one
+    assert op_targets(graphs[0]) == ["autosoft.softmax", "autosoft.attention", "autosoft.attention_colsum"]
+    assert len(graphs) == (1 if dynamic else 2)
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Dynamo's notes on what it cannot see into
+def test_the_public_function_is_what_fullgraph_refuses(no_kernels):
+    """Why the operators exist: Dynamo cannot trace autosoft.softmax's Python (plans, CuPy's
+    device context, ctypes launches), so fullgraph=True refuses it at trace time, before anything runs."""
+    pytest.importorskip("cupy")  # where Dynamo stops; without CuPy the trace would end elsewhere
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: autosoft.softmax(x) * 2, backend="eager", fullgraph=True)
+    with FakeTensorMode():
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            compiled(fake_cuda(4, 8))
+    torch._dynamo.reset()
+
+
+def test_dynamo_explain_counts_no_graph_break(no_kernels):
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        explained = torch._dynamo.explain(Model())(*model_inputs())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+
+
+def test_aot_autograd_keeps_each_operator_as_one_node():
+    """What Inductor receives: AOTAutograd's forward graph, with the operators as opaque calls."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    forward_graphs = []
+
+    def backend(gm, example_inputs):
+        def forward_compiler(graph, inputs):
+            forward_graphs.append(graph)
+            return make_boxed_func(graph.forward)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward_compiler)
+
+    meta = [torch.empty(7, 33, device="meta")] + [torch.empty(2, 3, 16, 64, device="meta", dtype=F16)] * 3
+    outs = torch.compile(Model(), backend=backend, fullgraph=True)(*meta)
+    assert [tuple(t.shape) for t in outs] == [(7, 33), (2, 3, 16, 64), (2, 3, 16), (2, 3)]
+    assert op_targets(forward_graphs[0]) == ["autosoft.softmax.default", "autosoft.attention.default",
+                                             "autosoft.attention_colsum.default"]
+    torch._dynamo.reset()
+
+
+TRACED_BAD_CALLS = [
+    ("q, k, v of two shapes", lambda q, k, v: ops.attention(q, k, v, False, 0.1), [(1, 2, 16, 64)] * 2 + [(1, 2, 8, 64)],
+     r"got ValueError\('autosoft\.attention: q, k, v must be \(B, H, N, D\) arrays of one shape"),
+    ("split = N", lambda q, k, v: ops.attention_colsum(q, k, v, 16, True, 0.1, False), [(1, 2, 16, 64)] * 3,
+     r"got ValueError\('autosoft\.attention_colsum: split=16 is outside 0 < split < N=16"),
+    ("head dim 48", lambda q, k, v: ops.attention(q, k, v, True, 0.1), [(1, 2, 16, 48)] * 3,
+     r"got ValueError\(\"autosoft\.attention: shape '1x2x16x48': head dim D=48 is not supported"),
+]
+
+
+@pytest.mark.parametrize("what, function, shapes, message", TRACED_BAD_CALLS, ids=[c[0] for c in TRACED_BAD_CALLS])
+def test_bad_calls_fail_while_tracing(no_kernels, what, function, shapes, message):
+    torch._dynamo.reset()
+    compiled = torch.compile(function, backend="eager", fullgraph=True)
+    with FakeTensorMode():
+        with pytest.raises(RuntimeError, match=message):  # Dynamo's TorchRuntimeError, naming our error
+            compiled(*[fake_cuda(*shape, dtype=F16) for shape in shapes])
+    torch._dynamo.reset()
