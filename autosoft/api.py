@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, ove
 
 import numpy as np
 
-from .arrays import as_cupy, call_family
+from .arrays import call_along, call_family
 from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
 from .errors import UserError
@@ -55,10 +55,16 @@ def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     returned (written directly where it is contiguous, else copied in). A non-contiguous input is
     copied first; an empty input gives an empty output. Raises TypeError for host arrays,
     non-arrays and unsupported dtypes, ValueError for a scalar, IndexError for a dim out of range.
+
+    Autograd: a torch tensor that requires gradients (while autograd records) goes through the
+    operator torch.ops.autosoft.softmax, whose backward is the tuned softmax_backward family; so
+    does any call while torch.compile traces, which then sees one operator (autosoft.torch_ops).
     """
+    if _through_operator(x):
+        return _operator_call("softmax", x, dim, out)
     if type(dim) is int and dim == -1:
         return call_family("softmax", (x,), out=out)[0]
-    return _along(x, dim, out, None, "softmax")
+    return call_along("softmax", x, dim, out, None, "softmax")
 
 
 @overload
@@ -67,50 +73,38 @@ def log_softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
 def log_softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
 
 
-_LOG = {"log": True}
+LOG = {"log": True}  # the softmax family's problem options for the log-softmax
 
 
 def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     """log(softmax(x)) over dimension `dim`, computed as x - max - log(sum(e^(x - max))): the
     softmax family's log variant, tuned as its own problems (`autosoft tune softmax --log`). The
     arrays, `dim` and `out` as for autosoft.softmax."""
+    if _through_operator(x):
+        return _operator_call("log_softmax", x, dim, out)
     if type(dim) is int and dim == -1:
-        return call_family("softmax", (x,), options=_LOG, out=out)[0]
-    return _along(x, dim, out, _LOG, "log_softmax")
+        return call_family("softmax", (x,), options=LOG, out=out)[0]
+    return call_along("softmax", x, dim, out, LOG, "log_softmax")
 
 
-def _along(x: Any, dim: Any, out: Any, options: dict[str, Any] | None, who: str) -> Any:
-    """The softmax family along `dim`: the last directly, another moved last (one copy), computed,
-    moved back."""
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-        raise TypeError(f"autosoft.{who}: dim must be an int, got {type(dim).__name__}")
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        return call_family("softmax", (x,), options=options)[0]  # the array layer says what x is not
-    ndim = len(shape)
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {ndim}-dimensional input "
-                         f"(expected {-max(ndim, 1)} to {max(ndim, 1) - 1})")
-    dim = int(dim) % ndim if ndim else 0
-    if dim == ndim - 1 or ndim == 0:
-        return call_family("softmax", (x,), options=options, out=out)[0]
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        y = call_family("softmax", (x.movedim(dim, -1),), options=options)[0].movedim(-1, dim)
-    else:
-        import cupy  # as_cupy has made sure it is there: x is a CuPy array or a CUDA DLPack producer
+def _through_operator(x: Any) -> bool:
+    """Whether a call on x must go through autosoft's torch operator: autograd records it, or
+    torch.compile traces it."""
+    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
+    if torch is None or not isinstance(x, torch.Tensor):
+        return False
+    return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
-        x = as_cupy(get_family("softmax"), [x])[0]
-        y = cupy.moveaxis(call_family("softmax", (cupy.moveaxis(x, dim, -1),), options=options)[0], -1, dim)
-    if out is None:
-        return y
-    if tuple(out.shape) != tuple(y.shape) or str(out.dtype) != str(y.dtype) or type(out) is not type(y):
-        raise ValueError(f"autosoft.{who}: out must be a {y.dtype} array of shape {tuple(y.shape)} like the "
-                         f"result, got {type(out).__name__} {out.dtype} {tuple(out.shape)}")
-    if hasattr(out, "copy_"):
-        return out.copy_(y)
-    out[...] = y
-    return out
+
+def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:
+    from . import torch_ops  # registers the operators (torch is loaded: x is a tensor)
+
+    if out is not None:  # as torch's own functions with out=
+        raise RuntimeError(f"autosoft.{name}(): out= does not support automatic differentiation "
+                           "(x requires grad); call it without out or under torch.no_grad()")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"autosoft.{name}: dim must be an int, got {type(dim).__name__}")
+    return getattr(torch_ops, name)(x, dim)
 
 
 @overload

@@ -12,6 +12,7 @@ output allocation and one launch.
 """
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
@@ -75,6 +76,41 @@ def _into(name: str, plan: Callable[..., tuple[Any, ...]], arrays: Sequence[Any]
     if torch is None and not type(out).__module__.startswith("cupy"):
         raise TypeError(f"{who}: out must be a CuPy array like the input, not {type(out).__name__}")
     return plan(arrays, values, out)
+
+
+def call_along(name: str, x: Any, dim: Any, out: Any, options: Mapping[str, OptionValue] | None, who: str) -> Any:
+    """call_family(name, (x,)) along `dim` for a family that works along the last dimension (the
+    softmax family): the last directly, another moved last (one copy), computed, moved back (a
+    view); `out` as call_family's, here copied in. `who` names the public function in errors."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"autosoft.{who}: dim must be an int, got {type(dim).__name__}")
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return call_family(name, (x,), options=options)[0]  # the array layer says what x is not
+    ndim = len(shape)
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {ndim}-dimensional input "
+                         f"(expected {-max(ndim, 1)} to {max(ndim, 1) - 1})")
+    dim = int(dim) % ndim if ndim else 0
+    if dim == ndim - 1 or ndim == 0:
+        return call_family(name, (x,), options=options, out=out)[0]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        y = call_family(name, (x.movedim(dim, -1),), options=options)[0].movedim(-1, dim)
+    else:
+        x = as_cupy(get_family(name), [x])[0]  # TypeError for anything but CuPy arrays and CUDA DLPack producers
+        import cupy  # there: x is a CuPy array now
+
+        y = cupy.moveaxis(call_family(name, (cupy.moveaxis(x, dim, -1),), options=options)[0], -1, dim)
+    if out is None:
+        return y
+    if tuple(out.shape) != tuple(y.shape) or str(out.dtype) != str(y.dtype) or type(out) is not type(y):
+        raise ValueError(f"autosoft.{who}: out must be a {y.dtype} array of shape {tuple(y.shape)} like the "
+                         f"result, got {type(out).__name__} {out.dtype} {tuple(out.shape)}")
+    if hasattr(out, "copy_"):
+        return out.copy_(y)
+    out[...] = y
+    return out
 
 
 def as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:

@@ -1,51 +1,35 @@
-"""autosoft's functions as torch custom operators, for torch.compile and CUDA graphs.
+"""autosoft's functions as torch custom operators, for autograd, torch.compile and CUDA graphs.
 
     import autosoft.torch_ops                     # registers the operators (imports torch)
-    y = torch.ops.autosoft.softmax(x)
+    y = torch.ops.autosoft.softmax(x, -1)         # and log_softmax(x, dim)
+    dx = torch.ops.autosoft.softmax_backward(y, dy, -1, False)   # log=True: the log-softmax's
     o, lse = torch.ops.autosoft.attention(q, k, v, causal, scale)
     o, colsum, lse = torch.ops.autosoft.attention_colsum(q, k, v, split, causal, scale, deterministic)
 
-Called as `autosoft.softmax(x)`, autosoft is Python that torch.compile cannot see into: Dynamo
-breaks the graph around it (`fullgraph=True` refuses it). The operators below are registered with
-`torch.library.custom_op`, each with
+Called as plain Python, autosoft is something torch.compile cannot see into and autograd cannot
+differentiate. The operators below are registered with `torch.library.custom_op`, each with
 
-- its real implementation, the public function's own path: `arrays.call_family` with the options
-  and scalars that `autosoft.softmax`, `autosoft.attention` and the attention_colsum family's
-  `python_call` pass (same kernels, same plans, same errors, launched on torch's current stream,
-  outputs allocated by torch: what a CUDA graph capture needs);
+- its real implementation, the public function's own path (`arrays.call_family` and
+  `arrays.call_along` with the options and scalars the public functions pass: same kernels, same
+  plans, same errors, launched on torch's current stream, outputs allocated by torch: what a
+  CUDA graph capture needs);
 - a fake implementation that checks what can be checked without data (device, dtypes, shapes,
-  0 < split < N, scale > 0) with the errors of the real path, and returns empty tensors of the
-  outputs' shapes, dtypes and device (contiguous, as the real outputs are), which torch.compile
-  traces with;
-- an autograd registration that refuses: none of them has a backward yet (see `_define`).
-  Called while autograd records on inputs that require gradients, each raises the RuntimeError
-  of autograd.refuse_gradients; softmax too, although `autosoft.softmax` itself does not refuse
-  (it returns an output without gradient): an operator inside a compiled training graph must not
-  cut the gradient's path silently.
+  dim, 0 < split < N, scale > 0) with the errors of the real path, and returns empty tensors laid
+  out as the real outputs are (contiguous; along a dim other than the last, the moved layout's
+  view), which torch.compile traces with;
+- autograd: softmax and log_softmax save their output and differentiate through the
+  softmax_backward operator (the tuned softmax_backward family: dx = y (dy - sum(dy y)), or for
+  the log-softmax dx = dy - e^y sum(dy)). The others refuse (see `_define`): attention has no
+  backward yet, softmax_backward no second derivative. Called while autograd records on inputs
+  that require gradients, they raise RuntimeError (autograd.no_backward_error).
 
-The schemas (`torch.ops.autosoft.<name>.default._schema`):
-
-    autosoft::softmax(Tensor x) -> Tensor
-    autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)
-    autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, float scale,
-                               bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)
-
-Every argument is required (scale too: 1/sqrt(D) is the public functions' default), and the
-attention operators return every output (`lse` always). Importing this module registers them
-(`register()`, once per process); `autosoft` itself never imports torch, so a CuPy user never
-loads it.
-
-Not done here, on purpose: `autosoft.softmax` and `autosoft.attention` do not go through these
-operators. A custom operator's Python dispatch (autograd wrapper, backend wrapper, aliasing
-check) costs per call, and the public functions' plan path was made lean for calls that are a
-few microseconds of GPU work. Routing them through the operators waits for a GPU measurement of
-that overhead against issue 19's target: the custom-operator path's wall time per call at most
-1.5x `torch.softmax` on a tuned 4096x128 float32 input. Measured without a GPU (torch 2.13, a
-small CPU host, the real implementation replaced by an empty_like), the dispatch costs about
-10 us per call above the implementation, 4 us under torch.inference_mode(); one softmax launch
-through the plan took 4.5 us on the H200 host (runtime.Loaded.launcher). Until that measurement
-a user who compiles calls `torch.ops.autosoft.*` after `import autosoft.torch_ops`; a CUDA graph
-(or torch.compile's mode="reduce-overhead") replays the kernels without that Python.
+The public functions go through these operators when they must: `autosoft.softmax` and
+`autosoft.log_softmax` on a tensor that requires gradients while autograd records, and while
+torch.compile traces (api._through_operator). Otherwise they take the plan path directly: a
+custom operator's Python dispatch costs several microseconds per call (about 10 us measured
+on a small CPU host with torch 2.13), and that path was made lean for kernels of a few
+microseconds. `autosoft` itself never imports torch, so a CuPy user never loads it; importing
+this module registers the operators (`register()`, once per process).
 """
 from __future__ import annotations
 
@@ -54,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import call_family
+from .arrays import call_along, call_family
 from .autograd import no_backward_error
 from .dtypes import TORCH_NAMES
 from .families import get_family
@@ -63,13 +47,15 @@ from .families.base import OptionValue
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["register", "softmax", "attention", "attention_colsum", "OPS"]
+__all__ = ["register", "softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum", "OPS"]
 
-OPS = ("softmax", "attention", "attention_colsum")
-"""The operators' names in torch.ops.autosoft, one per family with a public function."""
+OPS = ("softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum")
+"""The operators' names in torch.ops.autosoft: one per public function, and the softmax backward."""
 
 # the CustomOpDef objects, set by register()
 softmax: Any = None
+log_softmax: Any = None
+softmax_backward: Any = None
 attention: Any = None
 attention_colsum: Any = None
 
@@ -77,7 +63,9 @@ _lock = threading.Lock()
 _registered = False
 
 _SCHEMAS = {
-    "softmax": "(Tensor x) -> Tensor",
+    "softmax": "(Tensor x, int dim) -> Tensor",
+    "log_softmax": "(Tensor x, int dim) -> Tensor",
+    "softmax_backward": "(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
     "attention": "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)",
     "attention_colsum": "(Tensor q, Tensor k, Tensor v, int split, bool causal, float scale, bool deterministic) "
                         "-> (Tensor o, Tensor colsum, Tensor lse)",
@@ -88,7 +76,7 @@ def register() -> None:
     """Register the operators torch.ops.autosoft.{softmax, attention, attention_colsum}, once per
     process (later calls, from any thread, do nothing). Imports torch; ImportError where torch
     is missing or older than torch.library.custom_op (torch 2.4)."""
-    global _registered, softmax, attention, attention_colsum
+    global _registered, softmax, log_softmax, softmax_backward, attention, attention_colsum
     if _registered:
         return
     with _lock:
@@ -100,7 +88,8 @@ def register() -> None:
             raise ImportError(f"autosoft.torch_ops needs torch.library.custom_op (torch >= 2.4); this is torch "
                               f"{torch.__version__}")
         ops = {name: _define(torch, name) for name in OPS}
-        softmax, attention, attention_colsum = ops["softmax"], ops["attention"], ops["attention_colsum"]
+        softmax, log_softmax, softmax_backward = ops["softmax"], ops["log_softmax"], ops["softmax_backward"]
+        attention, attention_colsum = ops["attention"], ops["attention_colsum"]
         _registered = True
 
 
@@ -117,13 +106,33 @@ def _define(torch: Any, name: str) -> Any:
     # it in a TorchRuntimeError, a RuntimeError, whose message holds ours). A check inside the
     # implementation cannot do this: torch runs it with grad mode off in both cases, so it cannot
     # tell a recording call from one under torch.no_grad().
-    op.register_autograd(_backward(name), setup_context=_refuse(name))
+    if name in ("softmax", "log_softmax"):
+        op.register_autograd(_softmax_grad, setup_context=_save_softmax(name == "log_softmax"))
+    else:
+        op.register_autograd(_backward(name), setup_context=_refuse(name))
     return op
 
 
+# --- the softmax's backward: the softmax_backward family -----------------------------------
+
+def _save_softmax(log: bool) -> Any:
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(output)  # dx needs only y (and dy)
+        ctx.dim, ctx.log = inputs[1], log
+    return setup_context
+
+
+def _softmax_grad(ctx: Any, dy: Any) -> Any:
+    (y,) = ctx.saved_tensors
+    return softmax_backward(y, dy, ctx.dim, ctx.log), None
+
+
 def _no_backward(name: str) -> RuntimeError:
-    """autograd.refuse_gradients' error, naming torch.softmax as the way with gradients for softmax."""
-    return no_backward_error(name, "softmax") if name == "softmax" else no_backward_error(name)
+    """autograd.refuse_gradients' error; for the softmax backward, that it has no backward itself."""
+    if name == "softmax_backward":
+        return RuntimeError("autosoft.softmax_backward has no backward (the softmax's second derivative); "
+                            "use torch.softmax where it is needed")
+    return no_backward_error(name)
 
 
 def _refuse(name: str) -> Any:
@@ -145,8 +154,34 @@ def _check_scale(name: str, scale: float) -> None:
         raise ValueError(f"autosoft.{name}: scale must be positive, got {scale}")
 
 
-def _softmax(x: torch.Tensor) -> torch.Tensor:
-    return call_family("softmax", (x,))[0]
+def _softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return call_along("softmax", x, dim, None, None, "softmax")
+
+
+def _log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return call_along("softmax", x, dim, None, LOG, "log_softmax")
+
+
+def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """dx of the softmax (log: the log-softmax) along dim from its output y and dy: the family works
+    on the last dimension, so another dim is moved last (a copy of y and dy) and back (a view)."""
+    last = _last_dim("softmax_backward", y, dim)
+    if y.shape != dy.shape:
+        raise ValueError(f"autosoft.softmax_backward: y {tuple(y.shape)} and dy {tuple(dy.shape)} differ in shape")
+    if last != y.dim() - 1:
+        y, dy = y.movedim(last, -1), dy.movedim(last, -1)
+    options = {"log": True} if log else None
+    dx = call_family("softmax_backward", (y, dy), options=options)[0]
+    return dx if last == dx.dim() - 1 else dx.movedim(-1, last)
+
+
+def _last_dim(who: str, x: Any, dim: int) -> int:
+    """dim as a non-negative index of x's dimensions; IndexError outside them."""
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {x.dim()}-dimensional input "
+                         f"(expected {-ndim} to {ndim - 1})")
+    return dim % ndim
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -172,8 +207,31 @@ def _colsum_options(split: int, causal: bool, deterministic: bool) -> dict[str, 
 
 # --- the fake implementations: shapes, dtypes and the errors that need no data ----------------
 
-def _fake_softmax(x: torch.Tensor) -> torch.Tensor:
-    return _fake_outputs("softmax", (x,), {})[0]
+def _fake_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _fake_along("softmax", x, dim, {})
+
+
+def _fake_log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _fake_along("log_softmax", x, dim, LOG)
+
+
+def _fake_along(who: str, x: torch.Tensor, dim: int, options: Mapping[str, OptionValue]) -> torch.Tensor:
+    """y as the real path lays it out: contiguous for the last dim, else the moved layout's view."""
+    last = _last_dim(who, x, dim)
+    if last == max(x.dim(), 1) - 1:
+        return _fake_outputs("softmax", (x,), options)[0]
+    return _fake_outputs("softmax", (x.movedim(last, -1),), options)[0].movedim(-1, last)
+
+
+def _fake_softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    last = _last_dim("softmax_backward", y, dim)
+    if y.shape != dy.shape:
+        raise ValueError(f"autosoft.softmax_backward: y {tuple(y.shape)} and dy {tuple(dy.shape)} differ in shape")
+    options = {"log": True} if log else {}
+    if last == max(y.dim(), 1) - 1:
+        return _fake_outputs("softmax_backward", (y, dy), options)[0]
+    moved = _fake_outputs("softmax_backward", (y.movedim(last, -1), dy.movedim(last, -1)), options)[0]
+    return moved.movedim(-1, last)
 
 
 def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -233,7 +291,10 @@ def _hint(size: Any) -> int | None:
     return hint if isinstance(hint, int) else None
 
 
-_IMPLS = {"softmax": (_softmax, _fake_softmax), "attention": (_attention, _fake_attention),
+LOG = {"log": True}  # the softmax family's problem options for the log-softmax (as api.LOG)
+
+_IMPLS = {"softmax": (_softmax, _fake_softmax), "log_softmax": (_log_softmax, _fake_log_softmax),
+          "softmax_backward": (_softmax_backward, _fake_softmax_backward), "attention": (_attention, _fake_attention),
           "attention_colsum": (_attention_colsum, _fake_attention_colsum)}
 
 register()

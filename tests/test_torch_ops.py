@@ -41,10 +41,12 @@ def fake_cuda(*shape, dtype=F32):
 
 # --- registration -------------------------------------------------------------------------
 
-def test_the_three_operators_are_registered_with_their_schemas():
+def test_the_operators_are_registered_with_their_schemas():
     schemas = {name: str(getattr(ops, name).default._schema) for name in torch_ops.OPS}
     assert schemas == {
-        "softmax": "autosoft::softmax(Tensor x) -> Tensor",
+        "softmax": "autosoft::softmax(Tensor x, int dim) -> Tensor",
+        "log_softmax": "autosoft::log_softmax(Tensor x, int dim) -> Tensor",
+        "softmax_backward": "autosoft::softmax_backward(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
         "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) "
                      "-> (Tensor o, Tensor lse)",
         "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
@@ -88,7 +90,7 @@ def test_autosoft_alone_never_imports_torch_and_torch_ops_registers_on_import():
 @pytest.mark.parametrize("shape", [(7, 33), (2, 3, 1000), (5,), (0, 8)])
 def test_fake_softmax_gives_y_like_x(dtype, shape):
     with FakeTensorMode():
-        y = ops.softmax(fake_cuda(*shape, dtype=dtype))
+        y = ops.softmax(fake_cuda(*shape, dtype=dtype), -1)
     assert (y.shape, y.dtype, y.device.type, y.is_contiguous()) == (shape, dtype, "cuda", True)
 
 
@@ -146,9 +148,9 @@ BAD_CALLS = [
      ValueError, r"autosoft\.attention_colsum: split=0 is outside 0 < split < N=16"),
     ("negative scale colsum", lambda t: ops.attention_colsum(*[t(1, 2, 16, 64)] * 3, 4, False, -1.0, True),
      ValueError, r"autosoft\.attention_colsum: scale must be positive, got -1\.0"),
-    ("int softmax", lambda t: ops.softmax(t(4, 8, dtype=torch.int32)),
+    ("int softmax", lambda t: ops.softmax(t(4, 8, dtype=torch.int32), -1),
      TypeError, r"autosoft\.softmax: unsupported dtype torch\.int32; use float32 or float16 or bfloat16"),
-    ("0-d softmax", lambda t: ops.softmax(t(dtype=F32)),
+    ("0-d softmax", lambda t: ops.softmax(t(dtype=F32), -1),
      ValueError, r"autosoft\.softmax: x is a scalar; it needs at least one dimension"),
 ]
 
@@ -167,10 +169,10 @@ def test_cpu_tensors_are_refused_alike_by_the_fake_and_the_real_implementation()
     with pytest.raises(TypeError) as public:
         autosoft.softmax(x)
     with pytest.raises(TypeError) as real:
-        ops.softmax(x)
+        ops.softmax(x, -1)
     with FakeTensorMode():
         with pytest.raises(TypeError) as fake:
-            ops.softmax(torch.empty(4, 8))
+            ops.softmax(torch.empty(4, 8), -1)
     assert str(real.value) == str(fake.value) == str(public.value) == \
         "autosoft.softmax: x is a CPU tensor; move it to the GPU first (x.cuda())"
     q = torch.randn(1, 2, 8, 64, dtype=F16)
@@ -189,7 +191,7 @@ def test_the_real_implementations_call_the_array_layer_as_the_public_functions_d
 
     calls = []
 
-    def record(name, arrays, *, options=None, scalars=None):
+    def record(name, arrays, *, options=None, scalars=None, out=None):
         calls.append((name, [id(a) for a in arrays], dict(options or {}),
                       {k: (type(v), v) for k, v in (scalars or {}).items()}))
         outs = autosoft.families.get_family(name).caller_outputs(
@@ -198,9 +200,12 @@ def test_the_real_implementations_call_the_array_layer_as_the_public_functions_d
         return tuple(torch.zeros(shape) for shape, _ in outs.values())
 
     monkeypatch.setattr(autosoft.api, "call_family", record)
+    monkeypatch.setattr(autosoft.arrays, "call_family", record)
     monkeypatch.setattr(torch_ops, "call_family", record)
     x, q, k, v = torch.randn(4, 8), *[torch.randn(1, 2, 16, 64, dtype=F16) for _ in range(3)]
-    pairs = [(lambda: autosoft.softmax(x), lambda: ops.softmax(x)),
+    pairs = [(lambda: autosoft.softmax(x), lambda: ops.softmax(x, -1)),
+             (lambda: autosoft.log_softmax(x, dim=1), lambda: ops.log_softmax(x, 1)),
+             (lambda: autosoft.log_softmax(x), lambda: ops.log_softmax(x, -1)),
              (lambda: autosoft.attention(q, k, v, causal=True, scale=0.3, return_lse=True),
               lambda: ops.attention(q, k, v, True, 0.3)),
              (lambda: autosoft.attention(q, k, v), lambda: ops.attention(q, k, v, False, 64 ** -0.5)),
@@ -220,29 +225,77 @@ def test_opcheck_on_meta_tensors(name):
     meta tensors only the fake implementation runs (the real one needs CUDA tensors and a GPU):
     this checks the registration's consistency; the GPU tests compare fake and real outputs."""
     meta = torch.empty(2, 3, 16, 64, device="meta", dtype=F16)
-    args = {"softmax": (torch.empty(7, 33, device="meta"),), "attention": (meta, meta, meta, True, 0.125),
-            "attention_colsum": (meta, meta, meta, 5, True, 0.125, False)}[name]
+    rows = torch.empty(7, 33, device="meta")
+    args = {"softmax": (rows, -1), "log_softmax": (meta, 0), "softmax_backward": (rows, rows, -1, True),
+            "attention": (meta, meta, meta, True, 0.125), "attention_colsum": (meta, meta, meta, 5, True, 0.125, False)}[name]
     results = torch.library.opcheck(getattr(ops, name).default, args)
     assert set(results.values()) == {"SUCCESS"}, results
 
 
-# --- gradients: refused, as the public attention functions refuse them ------------------------
+# --- gradients: the softmax's through softmax_backward; refused where there is no backward -------
 
-@pytest.mark.parametrize("name", torch_ops.OPS)
+@pytest.mark.parametrize("name", ["attention", "attention_colsum", "softmax_backward"])
 def test_inputs_that_require_gradients_are_refused_while_autograd_records(name):
     meta = torch.empty(1, 2, 16, 64, device="meta", dtype=F16)
     needy = meta.clone().requires_grad_()
-    call = {"softmax": lambda a: ops.softmax(a),
+    call = {"softmax_backward": lambda a: ops.softmax_backward(meta, a, -1, False),
             "attention": lambda a: ops.attention(meta, a, meta, True, 0.125),
             "attention_colsum": lambda a: ops.attention_colsum(a, meta, meta, 4, True, 0.125, False)}[name]
     with pytest.raises(RuntimeError) as refused:
         call(needy)
-    expected = no_backward_error(name, "softmax") if name == "softmax" else no_backward_error(name)
-    assert str(refused.value) == str(expected)
+    if name == "softmax_backward":
+        assert "autosoft.softmax_backward has no backward" in str(refused.value)
+    else:
+        assert str(refused.value) == str(no_backward_error(name))
     with torch.no_grad():
         outs = call(needy)
     assert not any(t.requires_grad for t in (outs if isinstance(outs, tuple) else (outs,)))
     call(needy.detach())  # no input requires gradients: nothing to refuse
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_softmax_gradients_flow_through_the_softmax_backward_operator(log, dim):
+    """Autograd records the operator with its output saved; backward calls softmax_backward with
+    that output, the incoming gradient, the dim and the flavour (meta tensors: the fake paths)."""
+    seen = []
+    real = torch_ops.softmax_backward
+
+    def spy(y, dy, d, flavour):
+        seen.append((tuple(y.shape), tuple(dy.shape), d, flavour))
+        return real(y, dy, d, flavour)
+
+    x = torch.empty(5, 7, 33, device="meta").requires_grad_()
+    y = (ops.log_softmax if log else ops.softmax)(x, dim)
+    assert y.requires_grad and y.shape == x.shape
+    torch_ops.softmax_backward = spy
+    try:
+        (dx,) = torch.autograd.grad(y, x, torch.empty_like(y))
+    finally:
+        torch_ops.softmax_backward = real
+    assert seen == [((5, 7, 33), (5, 7, 33), dim, log)]
+    assert dx.shape == x.shape and dx.device.type == "meta"
+
+
+def test_the_public_softmax_takes_the_operator_when_autograd_records_and_the_plan_otherwise(monkeypatch):
+    import autosoft.api
+
+    taken = []
+    monkeypatch.setattr(autosoft.api, "_operator_call", lambda name, x, dim, out: taken.append((name, dim)) or x)
+    monkeypatch.setattr(autosoft.api, "call_family", lambda *a, **k: taken.append("plan") or (None,))
+    needy = torch.empty(4, 8, device="meta").requires_grad_()
+    autosoft.softmax(needy)
+    autosoft.log_softmax(needy, dim=0)
+    with torch.no_grad():
+        autosoft.softmax(needy)
+    autosoft.softmax(needy.detach())
+    assert taken == [("softmax", -1), ("log_softmax", 0), "plan", "plan"]
+
+
+def test_out_with_gradients_is_refused_as_torch_refuses_it():
+    needy = torch.empty(4, 8, device="meta").requires_grad_()
+    with pytest.raises(RuntimeError, match="out= does not support automatic differentiation"):
+        autosoft.softmax(needy, out=torch.empty(4, 8, device="meta"))
 
 
 def test_the_refusal_is_the_public_functions_error_for_attention():
@@ -271,7 +324,7 @@ class Model(torch.nn.Module):
     """Each operator, with torch work around it that the graph must also hold."""
 
     def forward(self, x, q, k, v):
-        y = ops.softmax(x * 2)
+        y = ops.softmax(x * 2, -1)
         o, lse = ops.attention(q, k, v, True, 0.125)
         o2, colsum, lse2 = ops.attention_colsum(q, k, v, 5, False, 0.125, True)
         return y + 1, o + o2, lse - lse2, colsum.sum(-1)
@@ -311,16 +364,17 @@ def test_compile_fullgraph_traces_the_three_operators_into_one_graph(no_kernels,
     torch._dynamo.reset()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")  # Dynamo's notes on what it cannot see into
-def test_the_public_function_is_what_fullgraph_refuses(no_kernels):
-    """Why the operators exist: Dynamo cannot trace autosoft.softmax's Python (plans, CuPy's
-    device context, ctypes launches), so fullgraph=True refuses it at trace time, before anything runs."""
-    pytest.importorskip("cupy")  # where Dynamo stops; without CuPy the trace would end elsewhere
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_the_public_softmax_functions_trace_as_the_operators(no_kernels, dim):
+    """While torch.compile traces, autosoft.softmax and autosoft.log_softmax call the operators
+    (Dynamo cannot trace the plan path's Python: CuPy's device context, ctypes launches)."""
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: autosoft.softmax(x) * 2, backend="eager", fullgraph=True)
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda x: autosoft.softmax(x, dim=dim) + autosoft.log_softmax(x, dim=dim),
+                             backend=backend, fullgraph=True)
     with FakeTensorMode():
-        with pytest.raises(torch._dynamo.exc.Unsupported):
-            compiled(fake_cuda(4, 8))
+        assert compiled(fake_cuda(4, 8)).shape == (4, 8)
+    assert op_targets(graphs[0]) == ["autosoft.softmax.default", "autosoft.log_softmax.default"]
     torch._dynamo.reset()
 
 
