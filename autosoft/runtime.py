@@ -5,6 +5,7 @@ Everything that needs a CUDA driver lives here, so the rest of the package impor
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -197,11 +198,22 @@ class LoadedVariant:
         launch(*values.values(), stream_ptr)
 
     def _workspace(self, stream_ptr: int) -> int:
-        ws = self._workspaces.get(stream_ptr)
-        if ws is None:
+        held = self._workspaces.get(stream_ptr)
+        if held is None:
             # zeroed: a cooperative split's arrival counters start from a multiple of its split
-            ws = self._workspaces[stream_ptr] = cupy_module().zeros(self.variant.workspace_bytes, dtype="uint8")
-        return ws.data.ptr
+            nbytes = self.variant.workspace_bytes
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # first met inside a CUDA graph capture: allocated by torch (its allocator knows the
+                # capture; CuPy's memset on its own stream would break it) and zeroed on the
+                # capturing stream, so the graph zeroes it too; kept for that stream's later calls
+                ws = torch.zeros(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+                held = (ws, ws.data_ptr())
+            else:
+                ws = cupy_module().zeros(nbytes, dtype="uint8")
+                held = (ws, ws.data.ptr)
+            self._workspaces[stream_ptr] = held
+        return held[1]
 
 
 class _RawLaunch:

@@ -164,7 +164,7 @@ def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
         loaded.launch({"x": x, "y": y})
         assert family.check(problem, {"x": x}, {"y": y}, cp) is None, i
     stream.synchronize()
-    workspace = loaded._workspaces[stream.ptr]
+    workspace, _ = loaded._workspaces[stream.ptr]
     arrivals = cp.asnumpy(workspace[8 * 16 * 8:].view(cp.uint32))
     assert arrivals.tolist() == [5 * 16] * 8
 

@@ -37,7 +37,7 @@ def test_softmax_operator_is_the_public_function(shape, dtype):
     x = torch.randn(shape, device="cuda", dtype=F32).to(dtype) * 4
     y = autosoft.softmax(x)
     plans = set(DISPATCHER.fast)
-    y_op = ops.softmax(x)
+    y_op = ops.softmax(x, -1)
     assert set(DISPATCHER.fast) == plans, "the operator prepared a plan of its own"
     assert torch.equal(y_op, y)
     torch.testing.assert_close(y_op.float(), torch.softmax(x.float(), dim=-1), atol=2e-3, rtol=1e-2)
@@ -70,8 +70,7 @@ def test_attention_colsum_operator_is_the_public_function(causal):
 def test_operators_refuse_inputs_that_require_gradients():
     q, k, v = qkv((1, 2, 64, 64), F16)
     k.requires_grad_()
-    for call in (lambda: ops.attention(q, k, v, True, 0.125), lambda: ops.attention_colsum(q, k, v, 32, False, 0.125, True),
-                 lambda: ops.softmax(k)):
+    for call in (lambda: ops.attention(q, k, v, True, 0.125), lambda: ops.attention_colsum(q, k, v, 32, False, 0.125, True)):
         with pytest.raises(RuntimeError, match="has no backward yet"):
             call()
     with torch.no_grad():
@@ -79,12 +78,14 @@ def test_operators_refuse_inputs_that_require_gradients():
     assert o.grad_fn is None and torch.equal(o, autosoft.attention(q, k.detach(), v, causal=True))
 
 
-@pytest.mark.parametrize("name", ["softmax", "attention", "attention_colsum"])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum"])
 def test_opcheck_finds_fake_and_real_implementations_in_agreement(name):
     """Schema, autograd registration, fake against real outputs (shapes, dtypes, strides), and
     AOTAutograd with dynamic shapes, on real data."""
     q, k, v = qkv((1, 2, 128, 64), F16)
-    args = {"softmax": (torch.randn(300, 257, device="cuda"),), "attention": (q, k, v, True, 0.125),
+    x = torch.randn(300, 257, device="cuda")
+    args = {"softmax": (x, -1), "log_softmax": (x.view(3, 100, 257), 1),
+            "softmax_backward": (torch.softmax(x, -1), torch.randn_like(x), -1, False), "attention": (q, k, v, True, 0.125),
             "attention_colsum": (q, k, v, 100, True, 0.125, True)}[name]
     results = torch.library.opcheck(getattr(ops, name).default, args)
     assert set(results.values()) == {"SUCCESS"}, results
@@ -94,7 +95,7 @@ class Model(torch.nn.Module):
     """Each operator, with torch work around it that Inductor compiles into kernels of its own."""
 
     def forward(self, x, q, k, v):
-        y = ops.softmax(x * 2)
+        y = ops.softmax(x * 2, -1)
         o, lse = ops.attention(q, k, v, True, 0.125)
         o2, colsum, lse2 = ops.attention_colsum(q, k, v, 100, False, 0.125, True)
         return y + 1, o.float() + o2.float(), lse - lse2, colsum.sum(-1)
@@ -118,9 +119,9 @@ def test_compiled_model_gives_eager_outputs_with_no_graph_break():
 
 CAPTURED = {
     # the target shape of issue 19's overhead measurement
-    "softmax_4096x128": (lambda x: (ops.softmax(x),), lambda: [torch.randn(4096, 128, device="cuda")]),
+    "softmax_4096x128": (lambda x: (ops.softmax(x, -1),), lambda: [torch.randn(4096, 128, device="cuda")]),
     # few wide rows: the default splits each row with a workspace, kept per stream
-    "softmax_8x262144": (lambda x: (ops.softmax(x),), lambda: [torch.randn(8, 262144, device="cuda")]),
+    "softmax_8x262144": (lambda x: (ops.softmax(x, -1),), lambda: [torch.randn(8, 262144, device="cuda")]),
     "attention": (lambda q, k, v: ops.attention(q, k, v, True, 0.125), lambda: qkv((2, 4, 256, 64), F16)),
     # few key tiles: the key-major pass shares them among blocks, with a workspace kept per stream
     "attention_colsum": (lambda q, k, v: ops.attention_colsum(q, k, v, 128, True, 0.125, True),
@@ -158,7 +159,7 @@ def test_compiled_with_cuda_graphs_gives_eager_outputs():
     """mode="reduce-overhead": Inductor's CUDA graph trees capture the operators with the rest."""
     def f(x, q, k, v):
         o, lse = ops.attention(q, k, v, False, 0.125)
-        return ops.softmax(x).sum(-1), o * 2, lse
+        return ops.softmax(x, -1).sum(-1), o * 2, lse
 
     compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
     for _ in range(4):  # the first calls warm up and record; the later ones replay
