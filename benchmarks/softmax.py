@@ -1,6 +1,9 @@
 """Softmax: autosoft against torch.softmax and a Triton row softmax, against the copy limit.
 
     python benchmarks/softmax.py --cache sweep.sqlite --trials 40 --out softmax.json
+    python benchmarks/softmax.py --mode log ...            # log-softmax against torch.log_softmax
+    python benchmarks/softmax.py --mode backward ...       # softmax_backward against torch._softmax_backward_data
+    python benchmarks/softmax.py --mode log_backward ...   # ... against torch._log_softmax_backward_data
 
 For every shape x dtype: a device-to-device copy of the same bytes (input read + output
 written) is timed as the limit; autosoft is tuned (or taken from the cache when the entry is
@@ -52,44 +55,80 @@ def medians_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dic
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+MODES = ("forward", "log", "backward", "log_backward")
+"""forward: softmax; log: the log-softmax (softmax family, option log); backward and log_backward:
+the softmax_backward family (dx from y and dy), against torch's own backward kernels."""
+
+
+def problem_of(mode: str, shape_text: str, dtype: str):
+    family = get_family("softmax_backward" if mode.endswith("backward") else "softmax")
+    return family.problem(shape_text, dtype, {"log": True} if mode.startswith("log") else {})
+
+
 def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, rounds: int,
-              runner: GpuRunner) -> dict:
+              runner: GpuRunner, mode: str = "forward") -> dict:
+    """One problem of `mode`: the copy of the same bytes, autosoft (tuned, or from the cache) and
+    torch's kernel for it (and Triton's row softmax for the forward), timed in turns."""
     from triton_softmax import TritonSoftmax
 
     m, n = problem.shape
     tdtype = getattr(torch, problem.dtype)
-    family = get_family("softmax")
+    family = get_family(problem.family)
     nbytes = family.bytes_moved(problem)
     device = device_info()
     n_sets = rotation_count(nbytes, device.target.l2_bytes)
+    log = mode.startswith("log")
     xs = [torch.randn(m, n, device="cuda").to(tdtype) for _ in range(n_sets)]
-    ys = [torch.empty_like(x) for x in xs]
-    row = {"shape": problem.shape_text, "dtype": problem.dtype, "bytes": nbytes}
+    row = {"shape": problem.shape_text, "dtype": problem.dtype, "bytes": nbytes, "mode": mode}
 
     t0 = time.perf_counter()
-    loaded, tuned_now = tuned_kernel("softmax", problem, cache, trials, runner=runner, seed=seed)
+    loaded, tuned_now = tuned_kernel(problem.family, problem, cache, trials, runner=runner, seed=seed)
     row.update(variant=loaded.variant.name, tuned_now=tuned_now, tune_s=round(time.perf_counter() - t0, 2))
-    timers = {
-        "copy": lambda: time_copy(nbytes // 2, device.target.l2_bytes, reps).median_us,
-        "autosoft": lambda: time_gpu(lambda i: loaded.launch({"x": xs[i].data_ptr(), "y": ys[i].data_ptr()}),
-                                     n_sets, reps).median_us,
-        "torch": lambda: time_gpu(lambda i: torch.softmax(xs[i], dim=-1, out=ys[i]), n_sets, reps).median_us,
-        "torch_fresh_output": lambda: time_gpu(lambda i: torch.softmax(xs[i], dim=-1), n_sets, reps).median_us,
-    }
-    try:
-        tri = TritonSoftmax(m, n, tdtype)
-        tri(xs[0], ys[0])
-        torch.cuda.synchronize()
-        timers["triton"] = lambda: time_gpu(lambda i: tri(xs[i], ys[i]), n_sets, reps).median_us
-    except Exception as exc:  # noqa: BLE001 - Triton cannot hold very long rows in one block
-        row["triton_us"], row["triton_error"] = None, " ".join(str(exc).split())[:200]
+    timers = {"copy": lambda: time_copy(nbytes // 2, device.target.l2_bytes, reps).median_us}
+    if mode.endswith("backward"):
+        # y a true (log-)softmax output, dy fresh: what autograd hands the backward
+        ys = [(torch.log_softmax if log else torch.softmax)(x.float(), -1).to(tdtype) for x in xs]
+        dys = [torch.randn(m, n, device="cuda").to(tdtype) for _ in range(n_sets)]
+        dxs = [torch.empty_like(x) for x in xs]
+        torch_backward = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+
+        def ours(i: int) -> None:
+            loaded.launch({"y": ys[i].data_ptr(), "dy": dys[i].data_ptr(), "dx": dxs[i].data_ptr()})
+
+        timers["autosoft"] = lambda: time_gpu(ours, n_sets, reps).median_us
+        timers["torch"] = lambda: time_gpu(lambda i: torch_backward(dys[i], ys[i], -1, tdtype), n_sets, reps).median_us
+        dxs[0].fill_(float("nan"))  # poisoned: every element must be written by the checked run
+        ours(0)
+        expected = torch_backward(dys[0].double(), ys[0].double(), -1, torch.float64)
+        row["autosoft_max_err"] = float((dxs[0].double() - expected).abs().max())
+    else:
+        ys = [torch.empty_like(x) for x in xs]
+        torch_forward = torch.log_softmax if log else torch.softmax
+
+        def ours(i: int) -> None:
+            loaded.launch({"x": xs[i].data_ptr(), "y": ys[i].data_ptr()})
+
+        timers["autosoft"] = lambda: time_gpu(ours, n_sets, reps).median_us
+        timers["torch"] = lambda: time_gpu(lambda i: torch_forward(xs[i], dim=-1, out=ys[i]), n_sets, reps).median_us
+        timers["torch_fresh_output"] = lambda: time_gpu(lambda i: torch_forward(xs[i], dim=-1), n_sets, reps).median_us
+        if not log:
+            try:
+                tri = TritonSoftmax(m, n, tdtype)
+                tri(xs[0], ys[0])
+                torch.cuda.synchronize()
+                timers["triton"] = lambda: time_gpu(lambda i: tri(xs[i], ys[i]), n_sets, reps).median_us
+            except Exception as exc:  # noqa: BLE001 - Triton cannot hold very long rows in one block
+                row["triton_us"], row["triton_error"] = None, " ".join(str(exc).split())[:200]
+        else:
+            row["triton_us"] = None
     for name, us in medians_in_turns(timers, rounds).items():
         row[f"{name}_us"] = us
     row["rounds"] = rounds
 
-    ys[0].fill_(float("nan"))  # poisoned: every element must be written by the checked run
-    loaded.launch({"x": xs[0].data_ptr(), "y": ys[0].data_ptr()})
-    row["autosoft_max_err"] = float((ys[0].float() - torch.softmax(xs[0].float(), -1)).abs().max())
+    if not mode.endswith("backward"):
+        ys[0].fill_(float("nan"))  # poisoned: every element must be written by the checked run
+        ours(0)
+        row["autosoft_max_err"] = float((ys[0].float() - torch_forward(xs[0].float(), -1)).abs().max())
     for k in ("autosoft", "torch", "triton"):
         t = row.get(f"{k}_us")
         row[f"{k}_pct_copy"] = 100 * row["copy_us"] / t if t else None
@@ -112,7 +151,7 @@ def host_overhead_in_fresh_process(cache_path: Path) -> dict:
 
 def host_overhead(torch, cache_path: Path, calls=2000, rounds=7) -> dict:
     """Wall time per call from Python (output allocation and launch included) of
-    autosoft.softmax with the sweep's cache loaded: the median of `rounds` rounds that take
+    autosoft.softmax and of its torch operator (torch.ops.autosoft.softmax) with the sweep's cache loaded: the median of `rounds` rounds that take
     turns, so that a slow spell of the host weighs on both alike."""
     import autosoft
     from autosoft.dispatch import DISPATCHER
@@ -130,10 +169,15 @@ def host_overhead(torch, cache_path: Path, calls=2000, rounds=7) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / calls * 1e6
 
+    import autosoft.torch_ops  # noqa: F401 - registers torch.ops.autosoft
+
+    operator = torch.ops.autosoft.softmax
     medians = medians_in_turns({"autosoft": lambda: per_call_us(autosoft.softmax),
+                                "operator": lambda: per_call_us(lambda t: operator(t, -1)),
                                 "torch": lambda: per_call_us(lambda t: torch.softmax(t, -1))}, rounds)
     out = {f"{name}_us_per_call": us for name, us in medians.items()}
     out["ratio"] = out["autosoft_us_per_call"] / out["torch_us_per_call"]
+    out["operator_ratio"] = out["operator_us_per_call"] / out["torch_us_per_call"]
     out["rounds"], out["calls_per_round"] = rounds, calls
     out["shape"], out["dtype"] = HOST_SHAPE, HOST_DTYPE
     choice = DISPATCHER.choose(problem)
@@ -152,6 +196,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("softmax_bench.json"))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--shapes", default="", help="comma-separated MxN list (default: the full sweep)")
+    parser.add_argument("--mode", choices=MODES, default="forward",
+                        help="forward (softmax), log (log-softmax), backward, log_backward")
     parser.add_argument("--host-only", action="store_true",
                         help="only time autosoft.softmax against torch.softmax from Python on the tuned "
                              f"{HOST_SHAPE} {HOST_DTYPE} in --cache; print the result as JSON")
@@ -173,9 +219,10 @@ def main() -> int:
     runner = GpuRunner()  # one tuning worker and compile pool for the whole sweep
     for shape in shapes:
         for dtype in args.dtypes.split(","):
-            problem = family.problem("x".join(map(str, shape)), dtype)
+            problem = problem_of(args.mode, "x".join(map(str, shape)), dtype)
             try:
-                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, args.rounds, runner))
+                rows.append(bench_one(torch, problem, cache, args.trials, args.seed, args.reps, args.rounds, runner,
+                                      args.mode))
             except Exception as exc:  # noqa: BLE001 - one broken shape must not end the sweep
                 traceback.print_exc()
                 rows.append({"shape": problem.shape_text, "dtype": dtype, "error": str(exc)})
@@ -185,19 +232,24 @@ def main() -> int:
                 f"copy {r['copy_us']:8.2f}  autosoft {r['autosoft_us']:8.2f} ({r['autosoft_pct_copy']:5.1f}%)  "
                 f"torch {r['torch_us']:8.2f}  triton {r['triton_us'] or float('nan'):8.2f}  [{r['variant']}]"
                 if "error" not in r else f"ERROR {r['error']}"), flush=True)
-    # the host figure is for a tuned variant: tune the shape into the cache if the sweep had not
-    tuned_kernel(family, family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, runner=runner, seed=args.seed)
+    overhead = None
+    if args.mode == "forward":
+        # the host figure is for a tuned variant: tune the shape into the cache if the sweep had not
+        tuned_kernel(family, family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, runner=runner,
+                     seed=args.seed)
     runner.close()
-    overhead = host_overhead_in_fresh_process(args.cache)
+    if args.mode == "forward":
+        overhead = host_overhead_in_fresh_process(args.cache)
     result = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
-              "torch": torch.__version__, "rows": rows, "host_overhead": overhead}
+              "torch": torch.__version__, "mode": args.mode, "rows": rows, "host_overhead": overhead}
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
     return 0
 
 
 def print_table(result: dict) -> None:
-    print(f"\nsoftmax on {result['gpu']} (sm_{result['cc']}, NVRTC {result['nvrtc']}, torch {result['torch']})")
+    print(f"\nsoftmax ({result.get('mode', 'forward')}) on {result['gpu']} (sm_{result['cc']}, NVRTC {result['nvrtc']}, "
+          f"torch {result['torch']})")
     print("| shape | dtype | MB | copy µs | autosoft µs | GB/s | % copy | torch µs | % copy | triton µs | % copy "
           "| vs torch | vs triton |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -213,9 +265,12 @@ def print_table(result: dict) -> None:
               f"| {r['autosoft_gbps']:.0f} | {r['autosoft_pct_copy']:.1f} | {tor:.2f} | {r['torch_pct_copy']:.1f} "
               f"| {tri_text} | {tri_pct} | {tor / auto:.2f}x | {tri_ratio} |")
     h = result["host_overhead"]
+    if h is None:
+        return
     print(f"\nautosoft.softmax on {h['shape']} {h['dtype']}: {h['autosoft_us_per_call']:.2f} us/call from Python, "
           f"torch.softmax {h['torch_us_per_call']:.2f} us/call (ratio {h['ratio']:.2f}; median of {h['rounds']} rounds "
-          f"taking turns, in a fresh process; {h['variant_source']} {h['variant']})")
+          f"taking turns, in a fresh process; {h['variant_source']} {h['variant']}); torch.ops.autosoft.softmax "
+          f"{h.get('operator_us_per_call', float('nan')):.2f} us/call (ratio {h.get('operator_ratio', float('nan')):.2f})")
 
 
 if __name__ == "__main__":
