@@ -96,6 +96,11 @@ def _through_operator(x: Any) -> bool:
     return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
+def _compiling(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
+
+
 def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:
     from . import torch_ops  # registers the operators (torch is loaded: x is a tensor)
 
@@ -128,14 +133,20 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     with return_lse=True: lse (B, H, N) float32, the natural log-sum-exp of each query's scores.
     scale defaults to 1/sqrt(D) and must be positive. Inputs that are not contiguous or 16-byte
     aligned are copied first. It has no backward: torch tensors that require gradients while
-    autograd records raise RuntimeError (call it under torch.no_grad())."""
+    autograd records raise RuntimeError (call it under torch.no_grad()). While torch.compile
+    traces, it is the operator torch.ops.autosoft.attention."""
     refuse_gradients("attention", q, k, v)
     head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not scale > 0:  # the kernel tracks the running max of the unscaled scores
         raise ValueError(f"autosoft.attention: scale must be positive, got {scale}")
-    o, lse = call_family("attention", (q, k, v), options={"causal": bool(causal)},
-                         scalars={"scale": np.float32(scale)})
+    if _compiling(q):  # torch.compile sees one operator (autosoft.torch_ops), not the plan's Python
+        from . import torch_ops
+
+        o, lse = torch_ops.attention(q, k, v, bool(causal), scale)
+    else:
+        o, lse = call_family("attention", (q, k, v), options={"causal": bool(causal)},
+                             scalars={"scale": np.float32(scale)})
     return (o, lse) if return_lse else o
 
 

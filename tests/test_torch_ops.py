@@ -426,3 +426,15 @@ def test_bad_calls_fail_while_tracing(no_kernels, what, function, shapes, messag
         with pytest.raises(RuntimeError, match=message):  # Dynamo's TorchRuntimeError, naming our error
             compiled(*[fake_cuda(*shape, dtype=F16) for shape in shapes])
     torch._dynamo.reset()
+
+
+def test_the_public_attention_traces_as_the_operator(no_kernels):
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda q, k, v: autosoft.attention(q, k, v, causal=True, return_lse=True),
+                             backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        o, lse = compiled(*[fake_cuda(1, 2, 16, 64, dtype=F16) for _ in range(3)])
+        assert o.shape == (1, 2, 16, 64) and lse.shape == (1, 2, 16)
+    assert op_targets(graphs[0]) == ["autosoft.attention.default"]
+    torch._dynamo.reset()
