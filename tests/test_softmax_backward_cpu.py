@@ -341,3 +341,15 @@ def test_log_rows_with_minus_inf_give_dy_there():
     assert np.isneginf(y).any() and np.array_equal(exact[np.isneginf(y)], dy[np.isneginf(y)])
     assert np.isfinite(exact).all()
     assert FAMILY.check(problem, inputs, {"dx": _store(exact, "float16")}, np) is None
+
+
+def test_every_valid_point_stays_valid_at_the_verification_shape():
+    """Dispatch verifies a borrowed variant on fewer rows (verification_shape) with the same
+    params: a constraint on M that a smaller M breaks would make that build fail."""
+    target = Target.for_arch("90")
+    for text in ("4096x8192", "100000x64", "1000x131072"):
+        problem = FAMILY.problem(text, "bfloat16")
+        small = Problem(problem.family, problem.dtype, FAMILY.verification_shape(problem.shape), problem.options)
+        for p in random.Random(0).sample(_valid(problem), 300):
+            assert FAMILY.is_valid(small, target, p), p
+            assert build_variant(FAMILY, small, p, target).source == build_variant(FAMILY, problem, p, target).source
