@@ -46,8 +46,8 @@ class SoftmaxBackwardFamily(Family):
     inputs = ("y", "dy")
     outputs = ("dx",)
     input_kinds = ("normal", "normal_x100", "neg_inf", "equal_rows")
-    # Every variant needs N % vec == 0 (the space says so) and rows that start vector-aligned:
-    # with 16-byte aligned arrays every row does, so no kernel needs a scalar head or tail.
+    # y, dy and dx 16-byte aligned (dx always shares y's alignment): a row then starts equally far
+    # from a vector boundary in all three, and one scalar head and tail per row serves them all.
     input_alignment = 16
     options = (ProblemOption("log", "the backward of log-softmax: y is log_softmax(x), dx = dy - exp(y) * sum(dy)"),)
     shape_help = "MxN: rows x row length, e.g. 4096x8192"
@@ -131,18 +131,18 @@ class SoftmaxBackwardFamily(Family):
         return (Launch("softmax_backward_rows", (blocks, 1, 1), block, 0, ("y", "dy", "dx", np.int64(m))),), 0
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """A sensible variant without tuning: the widest vector that divides N (16 bytes at
-        most), about four vectors per thread held in registers, streamed passes for rows too long
-        for that, and few wide rows split over a cooperative grid."""
+        """A sensible variant without tuning: 16-byte vectors, about four vectors per thread held
+        in registers, streamed passes for rows too long for that, and few wide rows split over a
+        cluster (sm_90) or a cooperative grid."""
         m, n = problem.shape
-        vec = _vec_for(n, ITEMSIZE[problem.dtype])
-        vectors = n // vec
+        vec = min(16 // ITEMSIZE[problem.dtype], _pow2_floor(n))
+        vectors = -(-n // vec)
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
             "split": 1, "combine": "none", "persistent": False, "streaming": False,
         }
         if vectors <= 32:
-            p["row_threads"] = _pow2_ceil(vectors)
+            p["row_threads"] = max(vec, _pow2_ceil(vectors))
         else:  # about four vectors per thread: all loads in flight, row held in registers
             p["row_threads"] = min(1024, max(32, _pow2_ceil(-(-vectors // 4))))
             p["threads"] = max(128, p["row_threads"])
@@ -279,14 +279,6 @@ def _store(values64: Any, dtype: str) -> Any:
     if dtype == "float16":
         return values64.astype(np.float16)
     return to_storage(values64.astype(np.float32), dtype, None)
-
-
-def _vec_for(n: int, itemsize: int) -> int:
-    """The widest vector (16 bytes at most) that divides the row."""
-    vec = 16 // itemsize
-    while n % vec:
-        vec //= 2
-    return vec
 
 
 def _pow2_floor(n: int) -> int:
