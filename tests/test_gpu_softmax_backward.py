@@ -70,7 +70,7 @@ def test_sampled_variants_are_correct(shape, dtype, options):
     target = _device().target
     points = sample_points(FAMILY, problem, target, 40, seed=len(shape) * 31 + len(dtype), seeds=12)
     names = _verify_all(problem, points[:44], seed=3)
-    assert len(names) >= min(40, len(points))
+    assert len(names) >= 40, names
     if problem.shape[0] * 4 < target.sm_count:  # few wide rows: splits were among them
         assert any("_grid" in n or "_cluster" in n for n in names), names
 
@@ -128,7 +128,8 @@ def _store(values64, dtype):
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 def test_rows_with_minus_inf_and_a_three_row_odd_problem(log):
-    """-inf in x: y = 0 there (log: y = -inf, and dx = dy exactly); odd N (vec 1) over 3 rows."""
+    """-inf in x: y = 0 there (log: y = -inf, and dx = dy exactly); an odd N over 3 rows (rows
+    starting off vector boundaries: scalar heads and tails)."""
     import cupy as cp
 
     target = _device().target
@@ -162,10 +163,11 @@ def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
     problem = FAMILY.problem("4x262144", "float32")
     target = _device().target
     params = {**FAMILY.default_params(problem, target), "storage": "registers", "unroll": 1, "persistent": False,
-              "combine": "grid", "split": 16, "threads": 1024, "row_threads": 1024, "vec": 4}
+              "combine": "grid", "split": 32, "threads": 1024, "row_threads": 1024, "vec": 4}
+    assert FAMILY.is_valid(problem, target, params), "128 blocks of 1024 threads fit an H100 or H200 at once"
     loaded = _loaded(problem, params)
     (launch,) = loaded.variant.launches
-    assert launch.cooperative and launch.grid[0] == 4 * 16
+    assert launch.cooperative and launch.grid[0] == 4 * 32
     rng = cp.random.default_rng(21)
     stream = cp.cuda.get_current_stream()
     for i in range(5):
@@ -176,8 +178,8 @@ def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
         assert FAMILY.check(problem, inputs, {"dx": dx}, cp) is None, i
     stream.synchronize()
     workspace = loaded._workspaces[stream.ptr]
-    arrivals = cp.asnumpy(workspace[4 * 16 * 4:].view(cp.uint32))
-    assert arrivals.tolist() == [5 * 16] * 4
+    arrivals = cp.asnumpy(workspace[4 * 32 * 4:].view(cp.uint32))  # after 4 x 32 float partial sums
+    assert arrivals.tolist() == [5 * 32] * 4
 
 
 def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
@@ -195,3 +197,18 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     variant = build_variant(FAMILY, problem, entry.params, _device().target)
     outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
     assert outcome.ok, outcome.message
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+def test_a_tuned_variant_moves_the_bytes_near_copy_speed(log, cache_dir):
+    """The family's target: reading y and dy and writing dx once each, at >= 90% of a device copy
+    of the same bytes when tuned. A short tune must reach 85% on a large problem (margin for a
+    40-trial search and timing noise); the message gives the rate reached."""
+    from autosoft.tune import tune
+
+    problem = FAMILY.problem("8192x8192", "bfloat16", {"log": log})
+    report = tune("softmax_backward", problem, 40, Cache(cache_dir / "k.sqlite"), seed=5)
+    assert report.best is not None and report.best.outcome.ok
+    rate = report.copy_time_us / report.best.outcome.time_us
+    assert rate >= 0.85, f"{report.best.variant.name}: {100 * rate:.1f}% of copy speed " \
+                         f"({report.best.outcome.time_us:.1f} us, copy {report.copy_time_us:.1f} us)"

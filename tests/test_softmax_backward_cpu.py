@@ -81,6 +81,11 @@ def test_render_through_the_cli_with_log(tmp_path):
     assert "_log" not in plain.stdout.splitlines()[0] and "sum(dy[r, :] * y[r, :])" in plain.stdout
 
 
+def test_tune_help_names_the_log_flag(tmp_path):
+    out = run_cli(["tune", "softmax_backward", "--help"], tmp_path / "cache").stdout
+    assert "--log" in out and "log-softmax" in out and "--causal" not in out
+
+
 @pytest.mark.parametrize("args", [["--shape", "4096x"], ["--shape", "4x8", "--causal"],
                                   ["--shape", "4x1024", "--param", "vec=3"],
                                   ["--shape", "4x3", "--param", "vec=4"]], ids=str)
