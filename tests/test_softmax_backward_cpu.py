@@ -283,7 +283,8 @@ def _fp32_kernel(problem: Problem, inputs: dict) -> np.ndarray:
 
 PROBLEMS = [("5x1000", "float32", False), ("5x1000", "float16", True), ("3x4096", "bfloat16", False),
             ("3x4096", "bfloat16", True), ("4x65536", "float32", True), ("2x65536", "float16", False),
-            ("1x1", "float32", False), ("1x1", "bfloat16", True)]
+            ("1x1", "float32", False), ("1x1", "bfloat16", True),
+            ("2x1048576", "float32", True), ("1x1048576", "bfloat16", False)]  # a sequential fp32 sum of 1M terms
 
 
 @pytest.mark.parametrize("shape,dtype,log", PROBLEMS, ids=str)
