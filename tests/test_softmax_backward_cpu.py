@@ -360,3 +360,28 @@ def test_every_valid_point_stays_valid_at_the_verification_shape():
         for p in random.Random(0).sample(_valid(problem), 300):
             assert FAMILY.is_valid(small, target, p), p
             assert build_variant(FAMILY, small, p, target).source == build_variant(FAMILY, problem, p, target).source
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_variant_of_each_strategy_builds_with_plain_nvcc(arch, tmp_path):
+    """`nvcc -c -arch=sm_XX` with no options: the rendered source needs no header and no flag."""
+    target = Target.for_arch(arch)
+    problem = FAMILY.problem("12x65531", "bfloat16", {"log": True})
+    odd = FAMILY.problem("1000x77", "float16")
+    valid = _valid(problem, arch)
+    picks = [(odd, FAMILY.default_params(odd, target)), (problem, FAMILY.default_params(problem, target))]
+    for want in ({"storage": "reread", "unroll": 4}, {"combine": "grid"}, {"combine": "cluster"},
+                 {"streaming": True, "persistent": True}, {"vec": 1}):
+        match = [p for p in valid if all(p[k] == v for k, v in want.items())]
+        if arch == "80" and want == {"combine": "cluster"}:
+            assert not match, "clusters need sm_90"
+            continue
+        picks.append((problem, match[0]))
+    for i, (prob, params) in enumerate(picks):
+        variant = build_variant(FAMILY, prob, params, target)
+        source = tmp_path / f"k{i}.cu"
+        source.write_text(variant.source)
+        result = subprocess.run([nvcc_path(), "-c", f"-arch=sm_{arch}", "-o", str(tmp_path / f"k{i}.o"), str(source)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{variant.name}: {result.stderr[-2000:]}"
