@@ -169,8 +169,8 @@ class SoftmaxBackwardFamily(Family):
         of every size (also with evict-first accesses, and persistent), rows streamed twice with
         more loads in flight, and splits over a cluster or a cooperative grid for wide rows."""
         base = self.default_params(problem, target)
-        held = {"storage": "registers", "unroll": 1, "split": 1, "combine": "none", "persistent": False}
-        streamed = {"storage": "reread", "split": 1, "combine": "none", "persistent": False}
+        held: dict[str, ParamValue] = {"storage": "registers", "unroll": 1, "split": 1, "combine": "none", "persistent": False}
+        streamed: dict[str, ParamValue] = {"storage": "reread", "split": 1, "combine": "none", "persistent": False}
         changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
         for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             changes.append({**held, "row_threads": g, "threads": max(g, 128)})
