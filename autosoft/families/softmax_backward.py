@@ -39,8 +39,10 @@ TOLERANCE = {
 
 
 class SoftmaxBackwardFamily(Family):
-    """dx from y = softmax(x) (or log_softmax(x) with `log`) and dy, over the last dimension of
-    an (M, N) array."""
+    """The backward of softmax (or of log-softmax, --log): dx from y and dy, row by row.
+
+    y = softmax(x) (log_softmax(x) with `log`) and dy are (M, N) arrays of one dtype; the
+    reductions run over the last dimension."""
     name = "softmax_backward"
     template = "softmax_backward/softmax_backward.cu.j2"
     inputs = ("y", "dy")
