@@ -148,20 +148,23 @@ class SoftmaxBackwardFamily(Family):
         else:  # about four vectors per thread: all loads in flight, row held in registers
             p["row_threads"] = min(1024, max(32, _pow2_ceil(-(-vectors // 4))))
             p["threads"] = max(128, p["row_threads"])
-        if m * 2 < target.sm_count and n >= 65536:
+        if m * 2 < target.sm_count and n >= 16384:
             # few wide rows: enough blocks per row to fill the GPU, ~2-4 vectors per thread each;
             # the largest split that holds its segment in registers: over a cluster on sm_90 (no
             # residency needed), else over a cooperative grid that is resident at once
-            split = min(_pow2_floor(max(1, 2 * target.sm_count // m)), _pow2_floor(max(1, n // (vec * 2048))), 256)
+            # (~2048 elements a block: the split nearest that, larger first, that is valid)
+            most = min(_pow2_floor(max(1, 2 * target.sm_count // m)), 256)
+            aim = min(most, _pow2_floor(max(1, -(-n // (vec * 2048)))))
+            splits = sorted((1 << k for k in range(1, most.bit_length())),
+                            key=lambda s: (abs(s.bit_length() - aim.bit_length()), -s))
             combines = ("cluster", "grid") if int(target.arch) >= 90 else ("grid",)
-            while split > 1:
+            for split in splits:
                 for combine in combines:
                     for threads in (1024, 512):
                         candidate = {**p, "threads": threads, "row_threads": threads, "split": split,
                                      "combine": combine}
                         if self.is_valid(problem, target, candidate):
                             return candidate
-                split //= 2
         if not self.is_valid(problem, target, p):
             p.update(storage="reread", unroll=2)
         return self._first_valid(problem, target, p)
