@@ -385,3 +385,23 @@ def test_one_variant_of_each_strategy_builds_with_plain_nvcc(arch, tmp_path):
         result = subprocess.run([nvcc_path(), "-c", f"-arch=sm_{arch}", "-o", str(tmp_path / f"k{i}.o"), str(source)],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{variant.name}: {result.stderr[-2000:]}"
+
+
+# Row lengths around every boundary of the default heuristic, and row counts around the split rule
+DEFAULT_NS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000,
+              1023, 1024, 1025, 2047, 2048, 4095, 4096, 4097, 8191, 8192, 16383, 16384, 32768, 50257, 65535,
+              65536, 65537, 131072, 262144, 1048576, 16777217, 2**31 // 8 - 1]
+DEFAULT_MS = [1, 3, 53, 54, 65, 66, 4096, 1_000_000]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_default_is_valid_for_any_problem(arch):
+    target = Target.for_arch(arch)
+    for n in DEFAULT_NS:
+        for m in DEFAULT_MS:
+            for dtype in ("float32", "bfloat16"):
+                problem = Problem("softmax_backward", dtype, (m, n))
+                params = FAMILY.default_params(problem, target)
+                assert FAMILY.is_valid(problem, target, params), (m, n, dtype, params)
+                if n >= 16 // ITEMSIZE[dtype]:
+                    assert params["vec"] * ITEMSIZE[dtype] == 16, (m, n, dtype, params)
