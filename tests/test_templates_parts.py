@@ -102,7 +102,8 @@ def compare(path: str) -> int:
 def _families():
     from autosoft.families import get_family
 
-    return [get_family("softmax"), get_family("attention"), get_family("attention_colsum")]
+    return [get_family("softmax"), get_family("attention"), get_family("attention_colsum"),
+            get_family("softmax_backward")]
 
 
 def _template_files(root: Path) -> list[str]:
@@ -155,7 +156,7 @@ def _one_point_per_strategy():
     rows, for 32-bit and 16-bit data; for attention, one point of each problem kind."""
     from autosoft.families.base import Target, space_of
 
-    softmax, attention, colsum = _families()
+    softmax, attention, colsum, backward = _families()
     picks = []
     for dtype in ("float32", "float16"):
         for shape in ("4096x8192", "32x131072"):
@@ -175,6 +176,10 @@ def _one_point_per_strategy():
         problem = colsum.problem("1x2x77x64", "float16", {"split": 40})
         target = Target.for_arch("90")
         picks.append((colsum, problem, target, {**colsum.default_params(problem, target), "colsum": way, "km_split": 1}))
+    for shape in ("4096x8192", "32x131072"):  # rows held in registers, and split over a cluster
+        problem = backward.problem(shape, "float16", {"log": True})
+        target = Target.for_arch("90")
+        picks.append((backward, problem, target, backward.default_params(problem, target)))
     return picks
 
 
