@@ -90,7 +90,7 @@ def test_duplicates_are_dropped_in_order_of_appearance(tmp_path):
 
 @pytest.mark.parametrize("text, where, says", [
     ("softmax:\n  - shape: 8x8\n  - shape: 8x8\n    dtypes: float16\n", "softmax item 2",
-     "unknown key 'dtypes' (expected shape, dtype)"),
+     "unknown key 'dtypes' (expected shape, dtype, log)"),
     ("attention:\n  - shape: 1,1,8,64\n    casual: true\n", "attention item 1", "expected shape, dtype, causal"),
     ("softmax:\n  - dtype: float16\n", "softmax item 1", "missing shape"),
     ("softmax:\n  - shape: 8y8\n", "softmax item 1", "malformed --shape '8y8'"),
@@ -103,7 +103,7 @@ def test_duplicates_are_dropped_in_order_of_appearance(tmp_path):
     ("softmax:\n  - shape: 8x8\n    dtype: [float16, 3]\n", "softmax item 1", "dtype 3"),
     ("attention:\n  - shape: 1,1,8,64\n    causal: maybe\n", "attention item 1", "causal 'maybe': expected true or false"),
     ("attention:\n  - shape: 1,1,8,64\n    causal: 1\n", "attention item 1", "expected true or false"),
-    ("softmax:\n  - 8x8\n", "softmax item 1", "expected a mapping of shape, dtype, not a text"),
+    ("softmax:\n  - 8x8\n", "softmax item 1", "expected a mapping of shape, dtype, log, not a text"),
     ("softmax:\n  - shape: 8x8\n  -\n", "softmax item 2", "not nothing"),
     ("softmax:\n  shape: 8x8\n", "softmax", "expected a list of items"),
     ("softmx:\n  - shape: 8x8\n", "unknown family 'softmx'", "attention, attention_colsum, softmax"),
