@@ -230,7 +230,7 @@ def main() -> int:
             r = rows[-1]
             print(f"{r['shape']:>13} {dtype:8} " + (
                 f"copy {r['copy_us']:8.2f}  autosoft {r['autosoft_us']:8.2f} ({r['autosoft_pct_copy']:5.1f}%)  "
-                f"torch {r['torch_us']:8.2f}  triton {r['triton_us'] or float('nan'):8.2f}  [{r['variant']}]"
+                f"torch {r['torch_us']:8.2f}  triton {r.get('triton_us') or float('nan'):8.2f}  [{r['variant']}]"
                 if "error" not in r else f"ERROR {r['error']}"), flush=True)
     overhead = None
     if args.mode == "forward":
@@ -257,7 +257,7 @@ def print_table(result: dict) -> None:
         if "error" in r:
             print(f"| {r['shape']} | {r['dtype']} | error: {r['error'][:80]} |")
             continue
-        tri, auto, tor = r["triton_us"], r["autosoft_us"], r["torch_us"]
+        tri, auto, tor = r.get("triton_us"), r["autosoft_us"], r["torch_us"]
         tri_text = "n/a" if tri is None else f"{tri:.2f}"
         tri_pct = "-" if tri is None else f"{r['triton_pct_copy']:.1f}"
         tri_ratio = "-" if tri is None else f"{tri / auto:.2f}x"

@@ -51,7 +51,7 @@ def _assert_gradient(x, dim, log, seed):
 def test_gradients_along_each_dim_of_a_3d_input_match_torch(dim, dtype, log):
     x = (torch.randn(6, 33, 1000, device="cuda") * 3).to(dtype)
     x[0, 1, ::3] = float("-inf")  # -inf entries: softmax 0 and no gradient there (log: dx = dy)
-    x[2, :, 7] = float("-inf")
+    x[2, :20, 7] = float("-inf")  # no whole line along any dim: those give NaN, as in torch
     _assert_gradient(x, dim, log, seed=dim + 10)
 
 

@@ -177,7 +177,7 @@ def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
         loaded.launch({**inputs, "dx": dx})
         assert FAMILY.check(problem, inputs, {"dx": dx}, cp) is None, i
     stream.synchronize()
-    workspace = loaded._workspaces[stream.ptr]
+    workspace, _ = loaded._workspaces[stream.ptr]
     arrivals = cp.asnumpy(workspace[4 * 32 * 4:].view(cp.uint32))  # after 4 x 32 float partial sums
     assert arrivals.tolist() == [5 * 32] * 4
 
