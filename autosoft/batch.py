@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -451,8 +452,11 @@ def _processes(spec: BatchSpec, gpus: Sequence[str], monitor: Monitor, stream: T
             monitor.tick()
             time.sleep(1.0)
     except BaseException:
+        for proc in procs.values():  # Ctrl-C reached them too; a SIGTERM of this process did not
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGINT)
         for proc in procs.values():
-            proc.join(timeout=30)  # Ctrl-C reached them too: let them give their problems back
+            proc.join(timeout=30)  # let them give their problems back
             if proc.is_alive():
                 proc.terminate()
         raise
@@ -469,7 +473,10 @@ def _exit_text(code: int | None) -> str:
 
 
 def _worker_process(spec: BatchSpec, gpu: str) -> None:
-    """A spawned worker's body: errors on one line, as the CLI prints them."""
+    """A spawned worker's body: errors on one line, as the CLI prints them. It ends as after
+    Ctrl-C (its problem given back) when the process that started it is gone: killed, it cannot
+    have stopped its workers, which would otherwise go on tuning unseen."""
+    _end_with_parent()
     try:
         run_worker(spec, label=gpu)
     except KeyboardInterrupt:
@@ -480,6 +487,18 @@ def _worker_process(spec: BatchSpec, gpu: str) -> None:
     except Exception as exc:  # noqa: BLE001 - reported here, in the worker's own words
         print(f"autosoft: error: worker on GPU {gpu}: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         sys.exit(1)
+
+
+def _end_with_parent(poll_s: float = 1.0) -> None:
+    """Interrupt this process's main thread (KeyboardInterrupt) once its parent process is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="autosoft-parent-watch", daemon=True).start()
 
 
 def result_summary(record: Mapping[str, Any]) -> dict[str, Any]:

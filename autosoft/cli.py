@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from . import __version__
 from .cache import Cache, default_cache_path
@@ -299,7 +302,8 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
     print(f"tuning {len(problems)} problems, {args.trials} trials each, on {where}"
           f"{' (replaying ' + str(args.replay) + ')' if args.replay else ''}; storage {describe(storage)}",
           file=sys.stderr)
-    result = run_batch(spec, gpus=gpus, ray_address=args.ray or None, use_ray=args.ray is not None)
+    with _sigterm_as_interrupt():  # `kill` or a scheduler's stop: workers give their problems back
+        result = run_batch(spec, gpus=gpus, ray_address=args.ray or None, use_ray=args.ray is not None)
     print_results(result.results)
     print(f"{len(result.results)} of {len(problems)} problems tuned in {result.seconds:.1f} s; "
           f"entries in {cache_path}" + (f" and in {describe(storage)}" if args.storage else ""))
@@ -307,6 +311,25 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
         print(f"not finished: {p.family} {p.shape_text} {p.dtype}")
     failed = [r for r in result.results if not r.get("entry")]
     return 1 if result.missing or failed else 0  # a dead worker whose problem another finished is no failure
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread while the block runs, so a batch
+    stopped by `kill` (or Slurm, Kubernetes) cleans up as after Ctrl-C: its worker processes are
+    interrupted and give their problems back, instead of being left running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def print_results(results: list) -> None:

@@ -239,6 +239,55 @@ def test_a_spawned_worker_that_compiled_exits_when_done(tmp_path):
     assert not alive and proc.exitcode == 0
 
 
+def _session_processes(sid: int) -> list[int]:
+    """Live (not zombie) processes of session `sid`, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_or_killed_batch_leaves_no_worker_running(tmp_path, how):
+    # Seen on the two-GPU machine: `timeout` stopped `autosoft tune --gpus all` and its workers
+    # tuned on. SIGTERM now stops the batch as Ctrl-C does; a worker whose parent is gone stops.
+    listing = tmp_path / "problems.yaml"
+    write_problems(listing, FORTY[:8])
+    proc = subprocess.Popen([sys.executable, "-m", "autosoft", "tune", "--problems", str(listing), "--trials", "60",
+                             "--cache", str(tmp_path / "k.sqlite"), "--gpus", "0,1", "--replay", str(RECORDING),
+                             "--replay-delay", "0.3"], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: len(_session_processes(proc.pid)) >= 3, 60), "the two workers never started"
+        time.sleep(2)  # both at work
+        os.kill(proc.pid, getattr(signal, how))
+        code = proc.wait(timeout=60)
+        assert code == (130 if how == "SIGTERM" else -signal.SIGKILL)
+        assert _wait_for(lambda: not _session_processes(proc.pid), 45), \
+            f"still running after the batch ended: {_session_processes(proc.pid)}"
+    finally:
+        for pid in _session_processes(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    if how == "SIGTERM":
+        assert "interrupted" in proc.stderr.read()
+
+
 def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
     cases = {
         ("tune",): "name a family",
