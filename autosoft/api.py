@@ -67,13 +67,14 @@ def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     return call_along("softmax", x, dim, out, None, "softmax")
 
 
+LOG = {"log": True}  # the softmax family's problem options for the log-softmax
+
+
 @overload
 def log_softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
 @overload
 def log_softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
 
-
-LOG = {"log": True}  # the softmax family's problem options for the log-softmax
 
 
 def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:

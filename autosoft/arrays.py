@@ -84,6 +84,7 @@ def call_along(name: str, x: Any, dim: Any, out: Any, options: Mapping[str, Opti
     view); `out` as call_family's, here copied in. `who` names the public function in errors."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"autosoft.{who}: dim must be an int, got {type(dim).__name__}")
+    dim = int(dim)
     shape = getattr(x, "shape", None)
     if shape is None:
         return call_family(name, (x,), options=options)[0]  # the array layer says what x is not
@@ -91,7 +92,7 @@ def call_along(name: str, x: Any, dim: Any, out: Any, options: Mapping[str, Opti
     if not -max(ndim, 1) <= dim < max(ndim, 1):
         raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {ndim}-dimensional input "
                          f"(expected {-max(ndim, 1)} to {max(ndim, 1) - 1})")
-    dim = int(dim) % ndim if ndim else 0
+    dim = dim % ndim if ndim else 0
     if dim == ndim - 1 or ndim == 0:
         return call_family(name, (x,), options=options, out=out)[0]
     torch = sys.modules.get("torch")

@@ -33,6 +33,8 @@ def use(t: torch.Tensor, c: cupy.ndarray, p: Producer) -> None:
     reveal_type(autosoft.attention(t, t, t, True, None, True))  # 6
     reveal_type(autosoft.load_cache("tuned.sqlite"))  # 7
     reveal_type(autosoft.attention_colsum)  # 8
+    reveal_type(autosoft.log_softmax(t, dim=0, out=t))  # 9
+    reveal_type(autosoft.log_softmax(p, 1))  # 10
     autosoft.softmax([1.0, 2.0])  # error: no array
     autosoft.attention(t, c, t)  # error: two kinds
 '''
@@ -75,6 +77,7 @@ def test_the_overloads_give_each_call_its_array_kind(tmp_path, monkeypatch):
     assert by_mark[6] == "tuple[torch.Tensor, torch.Tensor]"
     assert by_mark[7] in ("int", "builtins.int")
     assert by_mark[8] is not None and "Any" in by_mark[8]  # a family's function, served at run time
+    assert by_mark[9] == "torch.Tensor" and by_mark[10] == "cupy.ndarray"
     errors = {int(n) for n in re.findall(r"sample\.py:(\d+): error:", out)}
     expected = {i + 1 for i, line in enumerate(lines) if "# error" in line}
     assert errors == expected, out

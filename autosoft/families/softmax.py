@@ -4,7 +4,6 @@ x - max - log(sum) instead of e^(x - max) / sum."""
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -13,12 +12,10 @@ from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
+from .base import Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
-_SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}
 _SPLIT_NAMES = {"launches": "split", "cluster": "cluster", "grid": "grid"}  # in variant names: _split64
-INT32_MAX = 2**31 - 1
 
 # Tolerance per output dtype: |y - ref| <= rtol*|ref| + row_atol*max(ref in row) + abs_atol.
 # fp16/bf16 are dominated by the rounding of the output (half an ulp: 2^-11, 2^-8).
@@ -34,7 +31,7 @@ LOG_RTOL = {"float32": 2e-6, "float16": 1.5e-3, "bfloat16": 8e-3}
 LOG_ATOL = {"float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-4}
 
 
-class SoftmaxFamily(Family):
+class SoftmaxFamily(RowsFamily):
     """y = softmax(x) over the last dimension of an (M, N) array, or y = log_softmax(x) with the
     option `log`; leading dimensions of a caller's array are flattened into M."""
     name = "softmax"
@@ -44,27 +41,11 @@ class SoftmaxFamily(Family):
     options = (ProblemOption("log", "the log-softmax: y = x - max - log(sum of e^(x - max)) over each row"),)
     input_kinds = ("normal", "normal_x100", "neg_inf", "equal_rows")
     input_alignment = 1  # a row that starts mid-vector gets a scalar prefix
-    shape_help = "MxN: rows x row length, e.g. 4096x8192"
     examples = (("1x1", "float32", {}), ("7x1025", "float16", {}), ("3x33", "bfloat16", {}),
                 ("4096x8192", "float32", {}), ("4097x8192", "bfloat16", {}), ("65536x64", "float16", {}),
                 ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {}),
                 ("7x1025", "float32", {"log": True}), ("4096x8192", "bfloat16", {"log": True}),
                 ("32x131072", "float16", {"log": True}))
-
-    def parse_shape(self, text: str) -> tuple[int, int]:
-        match = _SHAPE.match(str(text))
-        if not match:
-            raise UserError(f"malformed --shape {text!r}: softmax wants MxN with positive integers, e.g. 4096x8192")
-        m, n = int(match.group(1)), int(match.group(2))
-        return self.check_shape((m, n), text)
-
-    def check_shape(self, shape: tuple[int, ...], text: Any = None) -> tuple[int, int]:
-        text = text if text is not None else "x".join(map(str, shape))
-        if len(shape) != 2 or min(shape) < 1:
-            raise UserError(f"malformed --shape {text!r}: M and N must be at least 1, e.g. 4096x8192")
-        if shape[1] > INT32_MAX // 8:
-            raise UserError(f"shape {text!r}: rows longer than {INT32_MAX // 8} elements are not supported")
-        return (int(shape[0]), int(shape[1]))
 
     def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                     options: Mapping[str, OptionValue]) -> Problem:
@@ -107,7 +88,7 @@ class SoftmaxFamily(Family):
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         # 16-bit vectors of two or more elements are handled as packed pairs
         pairs = ITEMSIZE[problem.dtype] == 2 and values["vec"] >= 2
-        return {**values, "dtype": problem.dtype, "vec_bits_type": _VEC_BITS_TYPE[values["vec_bytes"]], "pairs": pairs}
+        return {**values, "dtype": problem.dtype, "vec_bits_type": VEC_BITS_TYPE[values["vec_bytes"]], "pairs": pairs}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         m = problem.shape[0]
@@ -135,7 +116,7 @@ class SoftmaxFamily(Family):
         """A sensible variant without tuning: 16-byte accesses, enough threads, row kept on chip."""
         m, n = problem.shape
         itemsize = ITEMSIZE[problem.dtype]
-        vec = min(16 // itemsize, _pow2_floor(n))
+        vec = min(16 // itemsize, pow2_floor(n))
         vectors = -(-n // vec)
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
@@ -143,13 +124,13 @@ class SoftmaxFamily(Family):
             "streaming": False, "prefetch": False, "chunks": 1, "keep_exp": False, "stagger": 0,
         }
         if vectors <= 32:
-            p["row_threads"] = max(vec, _pow2_ceil(vectors))
+            p["row_threads"] = max(vec, pow2_ceil(vectors))
         else:  # about four vectors per thread: all loads in flight, row held in registers
-            p["row_threads"] = min(1024, max(32, _pow2_ceil(-(-vectors // 4))))
+            p["row_threads"] = min(1024, max(32, pow2_ceil(-(-vectors // 4))))
             p["threads"] = max(128, p["row_threads"])
         if m * 2 < target.sm_count and n >= 65536:
             # few wide rows: enough blocks per row to fill the GPU, ~2 vectors per thread each
-            split = min(_pow2_floor(max(1, 2 * target.sm_count // m)), _pow2_floor(max(1, n // (vec * 2048))))
+            split = min(pow2_floor(max(1, 2 * target.sm_count // m)), pow2_floor(max(1, n // (vec * 2048))))
             p.update(threads=1024, row_threads=1024, split=split, storage="reread", normalise="online", unroll=2)
         elif -(-vectors // p["row_threads"]) * vec > 32:
             p.update(storage="reread", normalise="online", unroll=2)
@@ -197,14 +178,6 @@ class SoftmaxFamily(Family):
             {"unroll": 1}, {"storage": "reread", "normalise": "online", "unroll": 1},
             {"split": 1, "combine": "launches", "threads": 128, "row_threads": 32},
             {"vec": 1, "threads": 32, "row_threads": 1}))
-
-    def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
-        """How far apart two shapes are for borrowing a tuned variant: log2 steps, N weighs 4x."""
-        return abs(math.log2(a[0]) - math.log2(b[0])) + 4 * abs(math.log2(a[1]) - math.log2(b[1]))
-
-    def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A smaller problem with the same compiled kernel, to check a borrowed variant on."""
-        return (min(shape[0], 256), shape[1])
 
     def bytes_moved(self, problem: Problem) -> int:
         m, n = problem.shape
@@ -254,14 +227,6 @@ class SoftmaxFamily(Family):
         r, c = divmod(flat, problem.shape[1])
         return (f"{nbad} of {y.size} elements off; worst at [{r}, {c}]: got {float(y[r, c])!r}, "
                 f"expected {float(ref[r, c])!r}")
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 SOFTMAX = register(SoftmaxFamily())

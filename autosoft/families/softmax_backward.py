@@ -10,7 +10,6 @@ kernel reads y and dy once from memory and writes dx once, so it is compared wit
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,11 +18,9 @@ from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
+from .base import Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
-_SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}
-INT32_MAX = 2**31 - 1
 
 # Tolerance per dtype, as |dx - ref| <= rtol*|ref| + coef*scale_i + abs_atol, where scale_i bounds
 # what an fp32 kernel's rounding can do to element i besides the final rounding (see `check`):
@@ -38,7 +35,7 @@ TOLERANCE = {
 }
 
 
-class SoftmaxBackwardFamily(Family):
+class SoftmaxBackwardFamily(RowsFamily):
     """The backward of softmax (or of log-softmax, --log): dx from y and dy, row by row.
 
     y = softmax(x) (log_softmax(x) with `log`) and dy are (M, N) arrays of one dtype; the
@@ -52,27 +49,11 @@ class SoftmaxBackwardFamily(Family):
     # from a vector boundary in all three, and one scalar head and tail per row serves them all.
     input_alignment = 16
     options = (ProblemOption("log", "the backward of log-softmax: y is log_softmax(x), dx = dy - exp(y) * sum(dy)"),)
-    shape_help = "MxN: rows x row length, e.g. 4096x8192"
     examples = (("1x1", "float32", {}), ("7x1025", "float16", {"log": True}), ("3x33", "bfloat16", {}),
                 ("4096x8192", "float32", {}), ("4097x8192", "bfloat16", {"log": True}), ("65536x64", "float16", {}),
                 ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {"log": True}))
 
     # --- problems --------------------------------------------------------------------------
-    def parse_shape(self, text: str) -> tuple[int, int]:
-        match = _SHAPE.match(str(text))
-        if not match:
-            raise UserError(f"malformed --shape {text!r}: softmax_backward wants MxN with positive integers, "
-                            f"e.g. 4096x8192")
-        return self.check_shape((int(match.group(1)), int(match.group(2))), text)
-
-    def check_shape(self, shape: tuple[int, ...], text: Any = None) -> tuple[int, int]:
-        text = text if text is not None else "x".join(map(str, shape))
-        if len(shape) != 2 or min(shape) < 1:
-            raise UserError(f"malformed --shape {text!r}: M and N must be at least 1, e.g. 4096x8192")
-        if shape[1] > INT32_MAX // 8:
-            raise UserError(f"shape {text!r}: rows longer than {INT32_MAX // 8} elements are not supported")
-        return (int(shape[0]), int(shape[1]))
-
     def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                     options: Mapping[str, OptionValue]) -> Problem:
         """Rows are everything but the last dimension: (A, B, N) is the problem (A*B)xN; y and dy
@@ -112,7 +93,7 @@ class SoftmaxBackwardFamily(Family):
         # 16-bit vectors of two or more elements are converted as packed pairs
         pairs = ITEMSIZE[problem.dtype] == 2 and values["vec"] >= 2
         return {**values, "dtype": problem.dtype, "log": bool(problem.option("log", False)),
-                "vec_bits_type": _VEC_BITS_TYPE[values["vec_bytes"]], "pairs": pairs}
+                "vec_bits_type": VEC_BITS_TYPE[values["vec_bytes"]], "pairs": pairs}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         m = problem.shape[0]
@@ -137,24 +118,24 @@ class SoftmaxBackwardFamily(Family):
         in registers, streamed passes for rows too long for that, and few wide rows split over a
         cluster (sm_90) or a cooperative grid."""
         m, n = problem.shape
-        vec = min(16 // ITEMSIZE[problem.dtype], _pow2_floor(n))
+        vec = min(16 // ITEMSIZE[problem.dtype], pow2_floor(n))
         vectors = -(-n // vec)
         p: dict[str, ParamValue] = {
             "threads": 128, "row_threads": 32, "vec": vec, "unroll": 1, "storage": "registers",
             "split": 1, "combine": "none", "persistent": False, "streaming": False,
         }
         if vectors <= 32:
-            p["row_threads"] = max(vec, _pow2_ceil(vectors))
+            p["row_threads"] = max(vec, pow2_ceil(vectors))
         else:  # about four vectors per thread: all loads in flight, row held in registers
-            p["row_threads"] = min(1024, max(32, _pow2_ceil(-(-vectors // 4))))
+            p["row_threads"] = min(1024, max(32, pow2_ceil(-(-vectors // 4))))
             p["threads"] = max(128, p["row_threads"])
         if m * 2 < target.sm_count and n >= 16384:
             # few wide rows: enough blocks per row to fill the GPU, ~2-4 vectors per thread each;
             # the largest split that holds its segment in registers: over a cluster on sm_90 (no
             # residency needed), else over a cooperative grid that is resident at once
             # (~2048 elements a block: the split nearest that, larger first, that is valid)
-            most = min(_pow2_floor(max(1, 2 * target.sm_count // m)), 256)
-            aim = min(most, _pow2_floor(max(1, -(-n // (vec * 2048)))))
+            most = min(pow2_floor(max(1, 2 * target.sm_count // m)), 256)
+            aim = min(most, pow2_floor(max(1, -(-n // (vec * 2048)))))
             splits = sorted((1 << k for k in range(1, most.bit_length())),
                             key=lambda s: (abs(s.bit_length() - aim.bit_length()), -s))
             combines = ("cluster", "grid") if int(target.arch) >= 90 else ("grid",)
@@ -203,14 +184,6 @@ class SoftmaxBackwardFamily(Family):
             {"vec": 1, "threads": 32, "row_threads": 1}))
 
     # --- costs -------------------------------------------------------------------------------
-    def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
-        """How far apart two shapes are for borrowing a tuned variant: log2 steps, N weighs 4x."""
-        return abs(math.log2(a[0]) - math.log2(b[0])) + 4 * abs(math.log2(a[1]) - math.log2(b[1]))
-
-    def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A smaller problem with the same compiled kernel, to check a borrowed variant on."""
-        return (min(shape[0], 256), shape[1])
-
     def bytes_moved(self, problem: Problem) -> int:
         m, n = problem.shape
         return 3 * m * n * ITEMSIZE[problem.dtype]  # read y and dy, write dx
@@ -284,14 +257,6 @@ def _store(values64: Any, dtype: str) -> Any:
     if dtype == "float16":
         return values64.astype(np.float16)
     return to_storage(values64.astype(np.float32), dtype, None)
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 SOFTMAX_BACKWARD = register(SoftmaxBackwardFamily())
