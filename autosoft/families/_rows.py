@@ -1,15 +1,15 @@
 """What the families over the rows of an (M, N) array share (softmax, softmax_backward): the
-shape's text and limits, the distance between two shapes and the smaller problem a borrowed
+shape's text and limits, leading dimensions flattened into rows, the distance between two shapes and the smaller problem a borrowed
 variant is checked on, the vector types their templates use, and power-of-two helpers for their
 defaults. A private module: the registry imports no family from it."""
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import UserError
-from .base import Family
+from .base import Family, OptionValue, Problem
 
 __all__ = ["RowsFamily", "INT32_MAX", "VEC_BITS_TYPE", "pow2_floor", "pow2_ceil"]
 
@@ -38,6 +38,25 @@ class RowsFamily(Family):
         if shape[1] > INT32_MAX // 8:
             raise UserError(f"shape {text!r}: rows longer than {INT32_MAX // 8} elements are not supported")
         return (int(shape[0]), int(shape[1]))
+
+    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                    options: Mapping[str, OptionValue]) -> Problem:
+        """Rows are everything but the last dimension: (A, B, N) is the problem (A*B)xN; every
+        input has the first one's shape."""
+        first, *others = self.inputs
+        shape = tuple(shapes[first])
+        for name in others:
+            if tuple(shapes[name]) != shape:
+                raise ValueError(f"autosoft.{self.name}: {first} {shape} and {name} {tuple(shapes[name])} "
+                                 "must have the same shape")
+        if len(shape) == 0:
+            raise ValueError(f"autosoft.{self.name}: {first} is a scalar; it needs at least one dimension")
+        return super().problem_for({first: (math.prod(shape[:-1]), shape[-1])}, dtype, options)
+
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Each output shaped like the first input, in its dtype."""
+        return {name: (tuple(shapes[self.inputs[0]]), dtype) for name in self.outputs}
 
     def shape_distance(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
         """How far apart two shapes are for borrowing a tuned variant: log2 steps, N weighs 4x."""

@@ -3,7 +3,6 @@ With the problem option `log`, the log-softmax: the same kernels, whose write pa
 x - max - log(sum) instead of e^(x - max) / sum."""
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -13,7 +12,7 @@ from ..errors import UserError
 from ..space import ParamValue
 from . import register
 from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
-from .base import Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+from .base import Launch, Problem, ProblemOption, Target, valid_neighbours
 
 _SPLIT_NAMES = {"launches": "split", "cluster": "cluster", "grid": "grid"}  # in variant names: _split64
 
@@ -46,18 +45,6 @@ class SoftmaxFamily(RowsFamily):
                 ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {}),
                 ("7x1025", "float32", {"log": True}), ("4096x8192", "bfloat16", {"log": True}),
                 ("32x131072", "float16", {"log": True}))
-
-    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
-                    options: Mapping[str, OptionValue]) -> Problem:
-        """Rows are everything but the last dimension: (A, B, N) is the problem (A*B)xN."""
-        shape = shapes["x"]
-        if len(shape) == 0:
-            raise ValueError("autosoft.softmax: x is a scalar; it needs at least one dimension")
-        return super().problem_for({"x": (math.prod(shape[:-1]), shape[-1])}, dtype, options)
-
-    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
-                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {"y": (tuple(shapes["x"]), dtype)}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, n = problem.shape

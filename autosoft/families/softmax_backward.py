@@ -9,7 +9,6 @@ kernel reads y and dy once from memory and writes dx once, so it is compared wit
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,7 +18,7 @@ from ..errors import UserError
 from ..space import ParamValue
 from . import register
 from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
-from .base import Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+from .base import Launch, Problem, ProblemOption, Target, valid_neighbours
 
 
 # Tolerance per dtype, as |dx - ref| <= rtol*|ref| + coef*scale_i + abs_atol, where scale_i bounds
@@ -54,21 +53,6 @@ class SoftmaxBackwardFamily(RowsFamily):
                 ("32x131072", "float32", {}), ("1x1048576", "bfloat16", {}), ("4096x50257", "float16", {"log": True}))
 
     # --- problems --------------------------------------------------------------------------
-    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
-                    options: Mapping[str, OptionValue]) -> Problem:
-        """Rows are everything but the last dimension: (A, B, N) is the problem (A*B)xN; y and dy
-        must have the same shape."""
-        shape, grad = tuple(shapes["y"]), tuple(shapes["dy"])
-        if shape != grad:
-            raise ValueError(f"autosoft.softmax_backward: y {shape} and dy {grad} must have the same shape")
-        if len(shape) == 0:
-            raise ValueError("autosoft.softmax_backward: y is a scalar; it needs at least one dimension")
-        return super().problem_for({"y": (math.prod(shape[:-1]), shape[-1])}, dtype, options)
-
-    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
-                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {"dx": (tuple(shapes["y"]), dtype)}
-
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, n = problem.shape
         return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "arch": int(target.arch),
