@@ -3,6 +3,8 @@ as the tuner verifies it (autosoft.evaluate.verify: each input kind, outputs poi
 first), and the special cases run again on the test's own inputs."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from autosoft.cache import Cache
@@ -104,8 +106,9 @@ def test_split_rows_combine_their_sums(dtype, log):
     y[:2] = cp.asarray(_store(special, dtype))
     inputs = {"y": y, "dy": inputs["dy"]}
     checked = []
-    for combo in SPLITS:
-        params = {**FAMILY.default_params(problem, target), "storage": "registers", "unroll": 1,
+    for combo, (storage, chunks) in itertools.product(SPLITS, (("registers", 1), ("smem", 2))):
+        # each segment held in registers, or staged in shared memory
+        params = {**FAMILY.default_params(problem, target), "storage": storage, "chunks": chunks, "unroll": 1,
                   "persistent": False, **combo}
         if not FAMILY.is_valid(problem, target, params):
             continue
@@ -116,8 +119,34 @@ def test_split_rows_combine_their_sums(dtype, log):
         assert FAMILY.check(problem, inputs, {"dx": dx}, cp) is None, loaded.variant.name
         checked.append(loaded.variant.name)
     assert any("_grid" in n for n in checked), checked
+    assert any("_smem_" in n and "_grid" in n for n in checked), checked
     if int(target.arch) >= 90:
         assert any(n.endswith("_cluster16") or "_cluster16_" in n for n in checked), checked
+        assert any("_smem_" in n and "_cluster" in n for n in checked), checked
+
+
+STAGED = [{"threads": t, "row_threads": g, "chunks": c, "persistent": p, "streaming": cs}
+          for t, g in ((128, 32), (256, 256), (512, 128), (1024, 1024)) for c in (1, 2, 4)
+          for p, cs in ((False, False), (True, True))]
+
+
+@pytest.mark.parametrize("shape,dtype,options", [("300x4000", "float16", {}), ("33x20011", "float32", {"log": True}),
+                                                 ("1000x77", "bfloat16", {"log": True})], ids=str)
+def test_rows_staged_in_shared_memory_are_correct(shape, dtype, options):
+    """Rows copied into shared memory by cp.async in chunks, several row groups per block (each
+    with its own slots), persistent blocks reusing their slots row after row; odd row lengths."""
+    problem = FAMILY.problem(shape, dtype, options)
+    target = _device().target
+    base = {**FAMILY.default_params(problem, target), "storage": "smem", "unroll": 1, "split": 1, "combine": "none"}
+    points = [p for p in ({**base, "vec": v, **combo} for combo in STAGED for v in (4 // _itemsize(dtype), 16 // _itemsize(dtype)))
+              if FAMILY.is_valid(problem, target, p)]
+    names = _verify_all(problem, points, seed=7)
+    assert len(names) >= 6 and all("_smem" in n for n in names), names
+    assert any("_persistent" in n for n in names) and any("_c2" in n for n in names), names
+
+
+def _itemsize(dtype):
+    return {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
 def _store(values64, dtype):

@@ -120,13 +120,21 @@ def test_valid_points_keep_the_promises_the_kernels_rely_on(arch):
                 assert arch == "90" and p["split"] <= 16
             if p["split"] > 1:
                 seg = -(-(-(-n // p["split"])) // 8) * 8
-                assert p["storage"] == "registers" and p["row_threads"] == p["threads"] and not p["persistent"]
+                assert p["storage"] in ("registers", "smem") and p["row_threads"] == p["threads"] and not p["persistent"]
                 assert -(-n // seg) == p["split"], p  # no empty segment
             if p["combine"] == "grid":
                 # the whole grid resident: 2048 threads and 32 blocks per SM at most
                 assert m * p["split"] <= target.sm_count * min(2048 // p["threads"], 32), p
             if p["storage"] == "registers":
                 assert p["unroll"] == 1
+            seg = n if p["split"] == 1 else -(-(-(-n // p["split"])) // 8) * 8
+            if p["storage"] == "smem":  # cp.async sizes; y's and dy's slots of every row group fit
+                assert p["vec"] * itemsize >= 4 and p["unroll"] == 1, p
+                slots = 2 * (p["threads"] // p["row_threads"]) * (-(-seg // 8) * 8) * itemsize
+                assert slots <= target.smem_optin - 4096, p
+            else:
+                assert p["chunks"] == 1, p
+            assert p["chunks"] <= max(1, -(-(seg // p["vec"]) // p["row_threads"])), p
 
 
 def test_an_invalid_point_is_refused_with_its_why():
@@ -201,6 +209,9 @@ def _built() -> list[tuple[str, str, str, tuple[str, ...]]]:
                 points += rng.sample(kind, min(2, len(kind)))
             reread = [p for p in valid if p["storage"] == "reread" and p["unroll"] > 1]
             points += rng.sample(reread, min(1, len(reread)))
+            for split in (False, True):  # staged in shared memory, a row per group and split
+                staged = [p for p in valid if p["storage"] == "smem" and (p["split"] > 1) == split]
+                points += rng.sample(staged, min(1, len(staged)))
             for p in points:
                 v = build_variant(FAMILY, problem, p, target)
                 out.append((v.name, arch, v.source, v.kernel_names))
@@ -209,9 +220,12 @@ def _built() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
 def test_sample_covers_every_strategy():
     names = [name for name, *_ in _built()]
-    for part in ("_registers", "_reread", "_cluster", "_grid", "_log", "_cs", "_persistent", "_v1_", "_v8_", "_g1_"):
+    for part in ("_registers", "_reread", "_smem", "_cluster", "_grid", "_log", "_cs", "_persistent", "_v1_", "_v8_",
+                 "_g1_"):
         assert any(part in n for n in names), part
     assert any(re.search(r"_u[248]_reread", n) for n in names)
+    assert any(re.search(r"_smem(_log)?_c[24]", n) for n in names), "chunked copies"
+    assert any(re.search(r"_smem.*_(cluster|grid)\d+", n) for n in names), "split rows staged"
 
 
 def test_example_defaults_and_sampled_variants_compile_with_nvrtc_for_sm90_and_sm80():
@@ -372,9 +386,10 @@ def test_one_variant_of_each_strategy_builds_with_plain_nvcc(arch, tmp_path):
     valid = _valid(problem, arch)
     picks = [(odd, FAMILY.default_params(odd, target)), (problem, FAMILY.default_params(problem, target))]
     for want in ({"storage": "reread", "unroll": 4}, {"combine": "grid"}, {"combine": "cluster"},
+                 {"storage": "smem", "chunks": 2}, {"storage": "smem", "combine": "cluster"},
                  {"streaming": True, "persistent": True}, {"vec": 1}):
         match = [p for p in valid if all(p[k] == v for k, v in want.items())]
-        if arch == "80" and want == {"combine": "cluster"}:
+        if arch == "80" and want.get("combine") == "cluster":
             assert not match, "clusters need sm_90"
             continue
         picks.append((problem, match[0]))
