@@ -133,13 +133,16 @@ class SoftmaxBackwardFamily(RowsFamily):
                         if self.is_valid(problem, target, candidate):
                             return candidate
         if not self.is_valid(problem, target, p):
-            # too long for the registers: staged in shared memory, a row per block or split over
-            # a cluster (on the H200, 4096x50257: 90.8% of copy in float32 over a cluster of 2,
-            # 94.6% in bfloat16 a row per block, against 75-84% held in registers or reread)
+            # too long for the registers of one block: staged in shared memory a row per block,
+            # else held in registers over a cluster of two, else staged over a cluster (on the
+            # H200: 4096x50257 bfloat16 staged 94.6% of copy; 4096x32768 float32 over a cluster
+            # held 94.9%, staged 84.5%; 4096x50257 float32 staged over a cluster of 2 90.8%,
+            # held over a cluster of 4 75.3%)
             staged = {**p, "storage": "smem", "threads": 512, "row_threads": 512, "chunks": 4}
+            held = {**p, "threads": 1024, "row_threads": 1024, "split": 2, "combine": "cluster"}
             clusters = [{**staged, "threads": 256, "row_threads": 256, "chunks": 1, "split": split,
-                         "combine": "cluster"} for split in (2, 4, 8, 16)] if int(target.arch) >= 90 else []
-            for candidate in (staged, *clusters):
+                         "combine": "cluster"} for split in (2, 4, 8, 16)]
+            for candidate in (staged, *((held, *clusters) if int(target.arch) >= 90 else ())):
                 if self.is_valid(problem, target, candidate):
                     return candidate
             p.update(storage="reread", unroll=2)
@@ -157,18 +160,18 @@ class SoftmaxBackwardFamily(RowsFamily):
                                            "persistent": False}
         staged: dict[str, ParamValue] = {**held, "storage": "smem"}
         changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
-        staged_seeds: list[dict[str, ParamValue]] = []
-        for g in (128, 256, 512, 1024):  # the space keeps the slots that fit
-            for chunks in (1, 2, 4):
-                staged_seeds.append({**staged, "row_threads": g, "threads": g, "chunks": chunks})
-        for split in (2, 4, 8, 16):
-            for threads in (256, 512, 1024):
-                for chunks in (1, 2, 4):
-                    staged_seeds.append({**staged, "combine": "cluster", "split": split, "threads": threads,
-                                         "row_threads": threads, "chunks": chunks})
         if problem.shape[1] * ITEMSIZE[problem.dtype] > 64 * 1024:
-            # rows whose y and dy pass 128 KiB outgrow the registers: their staged variants first
-            changes += staged_seeds
+            # rows whose y and dy pass 128 KiB outgrow one block's registers: one of each way to
+            # hold them first (on the H200 each of these won one such sweep row), then the rest
+            changes += [{**held, "combine": "cluster", "split": 2, "threads": 1024, "row_threads": 1024},
+                        {**streamed, "row_threads": 512, "threads": 512, "unroll": 4, "streaming": True},
+                        {**staged, "row_threads": 1024, "threads": 1024, "chunks": 2},
+                        {**staged, "row_threads": 512, "threads": 512, "chunks": 4},
+                        {**staged, "combine": "cluster", "split": 2, "threads": 256, "row_threads": 256},
+                        {**staged, "combine": "cluster", "split": 4, "threads": 512, "row_threads": 512, "chunks": 2},
+                        {**staged, "combine": "cluster", "split": 2, "threads": 1024, "row_threads": 1024, "chunks": 4},
+                        {**held, "combine": "cluster", "split": 4, "threads": 1024, "row_threads": 1024},
+                        {**streamed, "row_threads": 1024, "threads": 1024, "unroll": 2}]
         for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             changes.append({**held, "row_threads": g, "threads": max(g, 128)})
             changes.append({**held, "row_threads": g, "threads": max(g, 128), "streaming": True})
@@ -181,8 +184,14 @@ class SoftmaxBackwardFamily(RowsFamily):
             for threads in (256, 512, 1024):
                 changes.append({**held, "combine": "cluster", "split": split, "threads": threads,
                                 "row_threads": threads})
-        if problem.shape[1] * ITEMSIZE[problem.dtype] <= 64 * 1024:
-            changes += staged_seeds
+        for g in (128, 256, 512, 1024):  # the space keeps the slots that fit
+            for chunks in (1, 2, 4):
+                changes.append({**staged, "row_threads": g, "threads": g, "chunks": chunks})
+        for split in (2, 4, 8, 16):
+            for threads in (256, 512, 1024):
+                for chunks in (1, 2, 4):
+                    changes.append({**staged, "combine": "cluster", "split": split, "threads": threads,
+                                    "row_threads": threads, "chunks": chunks})
         for split in (2, 4, 8, 16, 32, 64, 128, 256):  # the space keeps those whose grid fits the GPU
             for threads in (256, 512, 1024):
                 changes.append({**held, "combine": "grid", "split": split, "threads": threads,
