@@ -40,6 +40,7 @@ import numpy as np
 
 from .arrays import call_along, call_family
 from .autograd import no_backward_error
+from .dispatch import DISPATCHER
 from .dtypes import TORCH_NAMES
 from .families import get_family
 from .families.base import OptionValue
@@ -52,7 +53,7 @@ __all__ = ["register", "softmax", "log_softmax", "softmax_backward", "attention"
 OPS = ("softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum")
 """The operators' names in torch.ops.autosoft: one per public function, and the softmax backward."""
 
-# the CustomOpDef objects, set by register()
+# the operators' default overloads (torch.ops.autosoft.<name>.default), set by register()
 softmax: Any = None
 log_softmax: Any = None
 softmax_backward: Any = None
@@ -61,6 +62,7 @@ attention_colsum: Any = None
 
 _lock = threading.Lock()
 _registered = False
+_lib: Any = None  # the torch.library.Library that holds the registrations (they last as long as it does)
 
 _SCHEMAS = {
     "softmax": "(Tensor x, int dim) -> Tensor",
@@ -73,10 +75,10 @@ _SCHEMAS = {
 
 
 def register() -> None:
-    """Register the operators torch.ops.autosoft.{softmax, attention, attention_colsum}, once per
-    process (later calls, from any thread, do nothing). Imports torch; ImportError where torch
-    is missing or older than torch.library.custom_op (torch 2.4)."""
-    global _registered, softmax, log_softmax, softmax_backward, attention, attention_colsum
+    """Register the operators torch.ops.autosoft.{softmax, log_softmax, softmax_backward, attention,
+    attention_colsum}, once per process (later calls, from any thread, do nothing). Imports torch;
+    ImportError where torch is missing or older than torch.library.register_fake (torch 2.4)."""
+    global _registered, _lib, softmax, log_softmax, softmax_backward, attention, attention_colsum
     if _registered:
         return
     with _lock:
@@ -84,47 +86,112 @@ def register() -> None:
             return
         import torch
 
-        if not hasattr(torch.library, "custom_op"):
-            raise ImportError(f"autosoft.torch_ops needs torch.library.custom_op (torch >= 2.4); this is torch "
+        if not hasattr(torch.library, "register_fake"):
+            raise ImportError(f"autosoft.torch_ops needs torch.library.register_fake (torch >= 2.4); this is torch "
                               f"{torch.__version__}")
-        ops = {name: _define(torch, name) for name in OPS}
-        softmax, log_softmax, softmax_backward = ops["softmax"], ops["log_softmax"], ops["softmax_backward"]
-        attention, attention_colsum = ops["attention"], ops["attention_colsum"]
+        lib = torch.library.Library("autosoft", "DEF")
+        for name in OPS:
+            lib.define(name + _SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
+        for name in OPS:
+            real, fake = _IMPLS[name]
+            # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
+            lib.impl(name, real, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"autosoft::{name}", fake, lib=lib)  # also the Meta kernel
+            lib.impl(name, _autograd_kernel(torch, name, getattr(torch.ops.autosoft, name).default), "Autograd",
+                     with_keyset=True)
+        _lib = lib
+        ops = torch.ops.autosoft
+        softmax, log_softmax, softmax_backward = ops.softmax.default, ops.log_softmax.default, ops.softmax_backward.default
+        attention, attention_colsum = ops.attention.default, ops.attention_colsum.default
         _registered = True
 
 
-def _define(torch: Any, name: str) -> Any:
-    real, fake = _IMPLS[name]
-    op = torch.library.custom_op(f"autosoft::{name}", real, mutates_args=(), schema=_SCHEMAS[name])
-    op.register_fake(fake)
-    # No backward yet. Without an autograd registration a call on inputs that require gradients
-    # returns outputs that carry none (torch warns at most), and backward() fails far from the call.
-    # The setup_context hook is the earliest point a custom_op's autograd wrapper offers: torch calls
-    # it only when grad mode is on and an input requires grad, right after the forward; raising
-    # there refuses the call in eager mode (after the kernel ran: the outputs are dropped) and, under
-    # torch.compile, while Dynamo runs the fake implementation, that is at compile time (Dynamo wraps
-    # it in a TorchRuntimeError, a RuntimeError, whose message holds ours). A check inside the
-    # implementation cannot do this: torch runs it with grad mode off in both cases, so it cannot
-    # tell a recording call from one under torch.no_grad().
+# --- the autograd kernels: the one Python hop of a call ---------------------------------------
+#
+# The dispatcher runs an operator's Autograd kernel first (unless inference mode or a
+# no-autograd guard excludes it), for every device. Each kernel here:
+# - with grad mode on and an input that requires gradients: softmax and log_softmax run their
+#   autograd.Function (forward below autograd, backward the softmax_backward operator); the others
+#   refuse before anything runs (no_backward_error), in eager mode and, under torch.compile, when
+#   Dynamo runs the operator on fake tensors, that is at compile time;
+# - otherwise, where the dispatcher's next kernel would be the real implementation (the call's key
+#   set, after autograd, names the CPU or CUDA backend and nothing above it: no tensor subclass,
+#   no dispatch mode, no functionalization or functorch layer), calls that implementation itself:
+#   one Python hop for the whole call;
+# - otherwise (fake tensors while tracing, meta tensors, modes, ...), redispatches below autograd,
+#   as torch.library.custom_op's autograd kernel always does.
+# A custom_op costs about 10 us per call on a small CPU host (torch 2.13), this about 3 us, 1 us
+# of which is the implementation itself (benchmarks/op_dispatch.py).
+
+_DIRECT: dict[int, bool] = {}  # a call's dispatch key set (its raw bits) -> whether its next kernel is the real one
+
+
+def _goes_to_real(torch: Any) -> Any:
+    """direct(keyset) -> whether the dispatcher would call the real implementation next (memoised:
+    a key set's bits are one cheap call, its highest key after autograd several)."""
+    after = torch._C._after_ADInplaceOrView_keyset  # ADInplaceOrView: a fallthrough for these operators
+    backends = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+    memo = _DIRECT
+
+    def direct(keyset: Any) -> bool:
+        raw = keyset.raw_repr()
+        known = memo.get(raw)
+        if known is None:
+            known = memo[raw] = (keyset & after).highestPriorityTypeId() in backends
+        return known
+
+    return direct
+
+
+def _autograd_kernel(torch: Any, name: str, op: Any) -> Any:
+    real = _IMPLS[name][0]
+    direct = _goes_to_real(torch)
+    below, after_autograd = torch._C._AutoDispatchBelowAutograd, torch._C._after_autograd_keyset
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+
+    def redispatch(keyset: Any, *args: Any) -> Any:
+        with below():
+            return op.redispatch(keyset & after_autograd, *args)
+
     if name in ("softmax", "log_softmax"):
-        op.register_autograd(_softmax_grad, setup_context=_save_softmax(name == "log_softmax"))
-    else:
-        op.register_autograd(_backward(name), setup_context=_refuse(name))
-    return op
+        log = name == "log_softmax"
 
+        class Function(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Any, dim: int, keyset: Any) -> Any:  # type: ignore[override]
+                y = real(x, dim) if direct(keyset) else redispatch(keyset, x, dim)
+                ctx.save_for_backward(y)  # dx needs only y (and dy)
+                ctx.dim = dim
+                return y
 
-# --- the softmax's backward: the softmax_backward family -----------------------------------
+            @staticmethod
+            def backward(ctx: Any, dy: Any) -> Any:  # type: ignore[override]
+                (y,) = ctx.saved_tensors
+                # the module's attribute, looked up here: the operator, or a test's stand-in for it
+                return softmax_backward(y, dy, ctx.dim, log), None, None
 
-def _save_softmax(log: bool) -> Any:
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.save_for_backward(output)  # dx needs only y (and dy)
-        ctx.dim, ctx.log = inputs[1], log
-    return setup_context
+        Function.__name__ = Function.__qualname__ = f"{name}_autograd"
+        apply = Function.apply
 
+        def softmax_kernel(keyset: Any, x: Any, dim: int) -> Any:
+            if grad_enabled() and x.requires_grad:
+                return apply(x, dim, keyset)
+            if direct(keyset):
+                return real(x, dim)
+            return redispatch(keyset, x, dim)
 
-def _softmax_grad(ctx: Any, dy: Any) -> Any:
-    (y,) = ctx.saved_tensors
-    return softmax_backward(y, dy, ctx.dim, ctx.log), None
+        return softmax_kernel
+
+    def refusing_kernel(keyset: Any, *args: Any) -> Any:
+        # No backward: without this refusal, outputs of inputs that require gradients would carry
+        # none, and backward() would fail far from the call (or a model silently stop learning).
+        if grad_enabled() and any_requires_grad(*args):
+            raise _no_backward(name)
+        if direct(keyset):
+            return real(*args)
+        return redispatch(keyset, *args)
+
+    return refusing_kernel
 
 
 def _no_backward(name: str) -> RuntimeError:
@@ -135,18 +202,6 @@ def _no_backward(name: str) -> RuntimeError:
     return no_backward_error(name)
 
 
-def _refuse(name: str) -> Any:
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        raise _no_backward(name)
-    return setup_context
-
-
-def _backward(name: str) -> Any:
-    def backward(ctx: Any, *grads: Any) -> Any:  # never reached: setup_context refuses first
-        raise _no_backward(name)
-    return backward
-
-
 # --- the real implementations: the public functions' calls ------------------------------------
 
 def _check_scale(name: str, scale: float) -> None:
@@ -155,10 +210,22 @@ def _check_scale(name: str, scale: float) -> None:
 
 
 def _softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if dim == -1:
+        # The hot path. The schema made x a tensor and dim an int; call_family's cached plan under
+        # call_family's own key (the same plan autosoft.softmax takes); a first call prepares it there.
+        plan = DISPATCHER.fast.get(("softmax", (), (), x.dtype, x.shape, x.get_device()))
+        if plan is not None:
+            return plan((x,), ())[0]
+        return call_family("softmax", (x,))[0]
     return call_along("softmax", x, dim, None, None, "softmax")
 
 
 def _log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if dim == -1:  # as _softmax
+        plan = DISPATCHER.fast.get(("softmax", _LOG_KEY, (), x.dtype, x.shape, x.get_device()))
+        if plan is not None:
+            return plan((x,), ())[0]
+        return call_family("softmax", (x,), options=LOG)[0]
     return call_along("softmax", x, dim, None, LOG, "log_softmax")
 
 
@@ -292,6 +359,7 @@ def _hint(size: Any) -> int | None:
 
 
 LOG = {"log": True}  # the softmax family's problem options for the log-softmax (as api.LOG)
+_LOG_KEY = tuple(LOG.items())  # as call_family puts them in its plan key
 
 _IMPLS = {"softmax": (_softmax, _fake_softmax), "log_softmax": (_log_softmax, _fake_log_softmax),
           "softmax_backward": (_softmax_backward, _fake_softmax_backward), "attention": (_attention, _fake_attention),
