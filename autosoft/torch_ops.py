@@ -97,8 +97,8 @@ def register() -> None:
             # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
             lib.impl(name, real, "CompositeExplicitAutograd")
             torch.library.register_fake(f"autosoft::{name}", fake, lib=lib)  # also the Meta kernel
-            lib.impl(name, _autograd_kernel(torch, name, getattr(torch.ops.autosoft, name).default), "Autograd",
-                     with_keyset=True)
+            kernel = _autograd_kernel(torch, name, getattr(torch.ops.autosoft, name).default, real, _PLAN_OPTIONS.get(name))
+            lib.impl(name, kernel, "Autograd", with_keyset=True)
         _lib = lib
         ops = torch.ops.autosoft
         softmax, log_softmax, softmax_backward = ops.softmax.default, ops.log_softmax.default, ops.softmax_backward.default
@@ -127,27 +127,29 @@ _DIRECT: dict[int, bool] = {}  # a call's dispatch key set (its raw bits) -> whe
 
 
 def _goes_to_real(torch: Any) -> Any:
-    """direct(keyset) -> whether the dispatcher would call the real implementation next (memoised:
-    a key set's bits are one cheap call, its highest key after autograd several)."""
+    """direct(keyset) -> whether the dispatcher would call the real implementation next, memoised
+    in _DIRECT (the kernels look there first: a key set's bits are one cheap call, its highest
+    key after autograd several)."""
     after = torch._C._after_ADInplaceOrView_keyset  # ADInplaceOrView: a fallthrough for these operators
     backends = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
-    memo = _DIRECT
 
     def direct(keyset: Any) -> bool:
-        raw = keyset.raw_repr()
-        known = memo.get(raw)
-        if known is None:
-            known = memo[raw] = (keyset & after).highestPriorityTypeId() in backends
+        known = _DIRECT[keyset.raw_repr()] = (keyset & after).highestPriorityTypeId() in backends
         return known
 
     return direct
 
 
-def _autograd_kernel(torch: Any, name: str, op: Any) -> Any:
-    real = _IMPLS[name][0]
+def _autograd_kernel(torch: Any, name: str, op: Any, real: Any, plan_options: tuple | None = None) -> Any:
+    """The Autograd kernel of operator `name` (the OpOverload `op`, whose real implementation is
+    `real`), as lib.impl(..., "Autograd", with_keyset=True) takes it: kernel(keyset, *args).
+    plan_options (softmax and log_softmax): the softmax family's options as call_family keys its
+    plans; a call along the last dim then takes the plan straight from call_family's cache, as
+    _softmax does, one Python frame fewer."""
     direct = _goes_to_real(torch)
     below, after_autograd = torch._C._AutoDispatchBelowAutograd, torch._C._after_autograd_keyset
     grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+    known = _DIRECT.get  # written out in each kernel below: every call saved is ~0.1 us of the hot path
 
     def redispatch(keyset: Any, *args: Any) -> Any:
         with below():
@@ -159,7 +161,10 @@ def _autograd_kernel(torch: Any, name: str, op: Any) -> Any:
         class Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx: Any, x: Any, dim: int, keyset: Any) -> Any:  # type: ignore[override]
-                y = real(x, dim) if direct(keyset) else redispatch(keyset, x, dim)
+                to_real = known(keyset.raw_repr())
+                if to_real is None:
+                    to_real = direct(keyset)
+                y = real(x, dim) if to_real else redispatch(keyset, x, dim)
                 ctx.save_for_backward(y)  # dx needs only y (and dy)
                 ctx.dim = dim
                 return y
@@ -176,18 +181,37 @@ def _autograd_kernel(torch: Any, name: str, op: Any) -> Any:
         def softmax_kernel(keyset: Any, x: Any, dim: int) -> Any:
             if grad_enabled() and x.requires_grad:
                 return apply(x, dim, keyset)
-            if direct(keyset):
+            to_real = known(keyset.raw_repr())
+            if to_real or (to_real is None and direct(keyset)):
                 return real(x, dim)
             return redispatch(keyset, x, dim)
 
-        return softmax_kernel
+        if plan_options is None:
+            return softmax_kernel
+        plans = DISPATCHER.fast  # load_cache and forget clear it; it is never replaced
+
+        def softmax_plan_kernel(keyset: Any, x: Any, dim: int) -> Any:
+            # softmax_kernel with _softmax's hot path written in: the operator's whole Python, per call
+            if grad_enabled() and x.requires_grad:
+                return apply(x, dim, keyset)
+            to_real = known(keyset.raw_repr())
+            if to_real or (to_real is None and direct(keyset)):
+                if dim == -1:
+                    plan = plans.get(("softmax", plan_options, (), x.dtype, x.shape, x.get_device()))
+                    if plan is not None:
+                        return plan((x,), ())[0]
+                return real(x, dim)
+            return redispatch(keyset, x, dim)
+
+        return softmax_plan_kernel
 
     def refusing_kernel(keyset: Any, *args: Any) -> Any:
         # No backward: without this refusal, outputs of inputs that require gradients would carry
         # none, and backward() would fail far from the call (or a model silently stop learning).
         if grad_enabled() and any_requires_grad(*args):
             raise _no_backward(name)
-        if direct(keyset):
+        to_real = known(keyset.raw_repr())
+        if to_real or (to_real is None and direct(keyset)):
             return real(*args)
         return redispatch(keyset, *args)
 
@@ -360,6 +384,7 @@ def _hint(size: Any) -> int | None:
 
 LOG = {"log": True}  # the softmax family's problem options for the log-softmax (as api.LOG)
 _LOG_KEY = tuple(LOG.items())  # as call_family puts them in its plan key
+_PLAN_OPTIONS = {"softmax": (), "log_softmax": _LOG_KEY}  # the softmax family's options in its plan keys
 
 _IMPLS = {"softmax": (_softmax, _fake_softmax), "log_softmax": (_log_softmax, _fake_log_softmax),
           "softmax_backward": (_softmax_backward, _fake_softmax_backward), "attention": (_attention, _fake_attention),
