@@ -7,29 +7,47 @@
     o, colsum, lse = torch.ops.autosoft.attention_colsum(q, k, v, split, causal, scale, deterministic)
 
 Called as plain Python, autosoft is something torch.compile cannot see into and autograd cannot
-differentiate. The operators below are registered with `torch.library.custom_op`, each with
+differentiate. The operators below are defined with a `torch.library.Library` (schemas tagged
+pt2_compliant_tag; none mutates its inputs), each with
 
-- its real implementation, the public function's own path (`arrays.call_family` and
-  `arrays.call_along` with the options and scalars the public functions pass: same kernels, same
-  plans, same errors, launched on torch's current stream, outputs allocated by torch: what a
-  CUDA graph capture needs);
-- a fake implementation that checks what can be checked without data (device, dtypes, shapes,
-  dim, 0 < split < N, scale > 0) with the errors of the real path, and returns empty tensors laid
-  out as the real outputs are (contiguous; along a dim other than the last, the moved layout's
-  view), which torch.compile traces with;
-- autograd: softmax and log_softmax save their output and differentiate through the
-  softmax_backward operator (the tuned softmax_backward family: dx = y (dy - sum(dy y)), or for
-  the log-softmax dx = dy - e^y sum(dy)). The others refuse (see `_define`): attention has no
-  backward yet, softmax_backward no second derivative. Called while autograd records on inputs
-  that require gradients, they raise RuntimeError (autograd.no_backward_error).
+- its real implementation for every backend (CompositeExplicitAutograd), the public function's
+  own path (`arrays.call_family` and `arrays.call_along` with the options and scalars the public
+  functions pass: same kernels, same plans, same errors, launched on torch's current stream,
+  outputs allocated by torch: what a CUDA graph capture needs); softmax and log_softmax along
+  the last dim take call_family's cached plan under call_family's own key, nothing else checked
+  (the schema already made x a tensor and dim an int; a first call goes through call_family);
+- a fake implementation (`torch.library.register_fake`, also the Meta kernel) that checks what
+  can be checked without data (device, dtypes, shapes, dim, 0 < split < N, scale > 0) with the
+  errors of the real path, and returns empty tensors laid out as the real outputs are
+  (contiguous; along a dim other than the last, the moved layout's view), which torch.compile
+  traces with;
+- an Autograd kernel of its own (`_autograd_kernel`, for every autograd key): softmax and
+  log_softmax, with grad mode on and an input that requires gradients, run an autograd.Function
+  that saves the output and differentiates through the softmax_backward operator (the tuned
+  softmax_backward family: dx = y (dy - sum(dy y)), or for the log-softmax dx = dy - e^y sum(dy));
+  AOTAutograd traces it, so a compiled model's backward graph holds softmax_backward. The others
+  refuse such calls before anything runs (attention has no backward yet, softmax_backward no
+  second derivative): RuntimeError (autograd.no_backward_error) in eager mode, and at compile
+  time under torch.compile, where Dynamo runs the operator on fake tensors that require gradients.
+
+Why not `torch.library.custom_op` (as before issue 19): on a 2-core CPU host with torch 2.13
+(benchmarks/op_dispatch.py: a trivial implementation on a CPU tensor, dispatch cost over calling
+it directly) custom_op's dispatch cost 9-14 us per call (about 20 us on the H200 host of
+BENCHMARKS.md), `register_autograd` on a Library op 7-10 us, this registration 3-4.5 us, of which
+2-3.5 us is the dispatcher's floor (a Library op with no Autograd kernel at all costs that: the C++
+dispatcher and one call into Python and back). A call that needs no gradient costs one Python hop: the Autograd kernel calls the real
+implementation itself where the dispatcher would call it next, that is where the call's dispatch
+key set (passed to the kernel, memoised by its bits) names the CPU or CUDA backend after autograd,
+with nothing between (no tensor subclass such as FakeTensor, no dispatch mode, no
+functionalization or functorch layer). Anything else (fake or meta tensors while tracing, modes)
+is redispatched below autograd, exactly as custom_op's kernel always redispatches. Under
+torch.inference_mode() the dispatcher skips the Autograd kernel and calls the real one.
 
 The public functions go through these operators when they must: `autosoft.softmax` and
 `autosoft.log_softmax` on a tensor that requires gradients while autograd records, and while
-torch.compile traces (api._through_operator). Otherwise they take the plan path directly: a
-custom operator's Python dispatch costs several microseconds per call (about 10 us measured
-on a small CPU host with torch 2.13), and that path was made lean for kernels of a few
-microseconds. `autosoft` itself never imports torch, so a CuPy user never loads it; importing
-this module registers the operators (`register()`, once per process).
+torch.compile traces (api._through_operator). Otherwise they take the plan path directly, which
+has no dispatcher in between. `autosoft` itself never imports torch, so a CuPy user never loads
+it; importing this module registers the operators (`register()`, once per process).
 """
 from __future__ import annotations
 
@@ -120,8 +138,6 @@ def register() -> None:
 #   one Python hop for the whole call;
 # - otherwise (fake tensors while tracing, meta tensors, modes, ...), redispatches below autograd,
 #   as torch.library.custom_op's autograd kernel always does.
-# A custom_op costs about 10 us per call on a small CPU host (torch 2.13), this about 3 us, 1 us
-# of which is the implementation itself (benchmarks/op_dispatch.py).
 
 _DIRECT: dict[int, bool] = {}  # a call's dispatch key set (its raw bits) -> whether its next kernel is the real one
 
