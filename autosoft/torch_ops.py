@@ -35,13 +35,14 @@ Why not `torch.library.custom_op` (as before issue 19): on a 2-core CPU host wit
 it directly) custom_op's dispatch cost 9-14 us per call (about 20 us on the H200 host of
 BENCHMARKS.md), `register_autograd` on a Library op 7-10 us, this registration 3-4.5 us, of which
 2-3.5 us is the dispatcher's floor (a Library op with no Autograd kernel at all costs that: the C++
-dispatcher and one call into Python and back). A call that needs no gradient costs one Python hop: the Autograd kernel calls the real
-implementation itself where the dispatcher would call it next, that is where the call's dispatch
-key set (passed to the kernel, memoised by its bits) names the CPU or CUDA backend after autograd,
-with nothing between (no tensor subclass such as FakeTensor, no dispatch mode, no
-functionalization or functorch layer). Anything else (fake or meta tensors while tracing, modes)
-is redispatched below autograd, exactly as custom_op's kernel always redispatches. Under
-torch.inference_mode() the dispatcher skips the Autograd kernel and calls the real one.
+dispatcher and one call into Python and back). A call that needs no gradient costs one Python
+hop: the Autograd kernel calls the real implementation itself where the dispatcher would call it
+next, that is where the call's dispatch key set (passed to the kernel, memoised by its bits) names
+the CPU or CUDA backend after autograd, with nothing between (no tensor subclass such as
+FakeTensor, no dispatch mode, no functionalization or functorch layer). Anything else (fake or
+meta tensors while tracing, modes) is redispatched below autograd, exactly as custom_op's kernel
+always redispatches. Under torch.inference_mode() the dispatcher skips the Autograd kernel and
+calls the real one.
 
 The public functions go through these operators when they must: `autosoft.softmax` and
 `autosoft.log_softmax` on a tensor that requires gradients while autograd records, and while
@@ -115,11 +116,13 @@ def register() -> None:
             # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
             lib.impl(name, real, "CompositeExplicitAutograd")
             torch.library.register_fake(f"autosoft::{name}", fake, lib=lib)  # also the Meta kernel
-            kernel = _autograd_kernel(torch, name, getattr(torch.ops.autosoft, name).default, real, _PLAN_OPTIONS.get(name))
+            op = getattr(torch.ops.autosoft, name).default
+            kernel = _autograd_kernel(torch, name, op, real, _PLAN_OPTIONS.get(name))
             lib.impl(name, kernel, "Autograd", with_keyset=True)
         _lib = lib
         ops = torch.ops.autosoft
-        softmax, log_softmax, softmax_backward = ops.softmax.default, ops.log_softmax.default, ops.softmax_backward.default
+        softmax, log_softmax = ops.softmax.default, ops.log_softmax.default
+        softmax_backward = ops.softmax_backward.default
         attention, attention_colsum = ops.attention.default, ops.attention_colsum.default
         _registered = True
 

@@ -60,7 +60,8 @@ def test_the_operators_are_registered_with_their_schemas():
         # of autosoft's own for every autograd key (not torch's autograd fallback, which would let
         # outputs of inputs that require gradients carry none)
         qualname = f"autosoft::{name}"
-        table = dict(line.split(": ", 1) for line in torch._C._dispatch_dump_table(qualname).splitlines() if ": " in line)
+        table = dict(line.split(": ", 1) for line in torch._C._dispatch_dump_table(qualname).splitlines()
+                     if ": " in line)
         for key in ("CPU", "CUDA", "Meta", "AutogradCPU", "AutogradCUDA", "AutogradMeta"):
             assert "autosoft/torch_ops.py" in table[key], (name, key, table[key])
         assert torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel is not None
