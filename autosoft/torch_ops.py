@@ -7,29 +7,48 @@
     o, colsum, lse = torch.ops.autosoft.attention_colsum(q, k, v, split, causal, scale, deterministic)
 
 Called as plain Python, autosoft is something torch.compile cannot see into and autograd cannot
-differentiate. The operators below are registered with `torch.library.custom_op`, each with
+differentiate. The operators below are defined with a `torch.library.Library` (schemas tagged
+pt2_compliant_tag; none mutates its inputs), each with
 
-- its real implementation, the public function's own path (`arrays.call_family` and
-  `arrays.call_along` with the options and scalars the public functions pass: same kernels, same
-  plans, same errors, launched on torch's current stream, outputs allocated by torch: what a
-  CUDA graph capture needs);
-- a fake implementation that checks what can be checked without data (device, dtypes, shapes,
-  dim, 0 < split < N, scale > 0) with the errors of the real path, and returns empty tensors laid
-  out as the real outputs are (contiguous; along a dim other than the last, the moved layout's
-  view), which torch.compile traces with;
-- autograd: softmax and log_softmax save their output and differentiate through the
-  softmax_backward operator (the tuned softmax_backward family: dx = y (dy - sum(dy y)), or for
-  the log-softmax dx = dy - e^y sum(dy)). The others refuse (see `_define`): attention has no
-  backward yet, softmax_backward no second derivative. Called while autograd records on inputs
-  that require gradients, they raise RuntimeError (autograd.no_backward_error).
+- its real implementation for every backend (CompositeExplicitAutograd), the public function's
+  own path (`arrays.call_family` and `arrays.call_along` with the options and scalars the public
+  functions pass: same kernels, same plans, same errors, launched on torch's current stream,
+  outputs allocated by torch: what a CUDA graph capture needs); softmax and log_softmax along
+  the last dim take call_family's cached plan under call_family's own key, nothing else checked
+  (the schema already made x a tensor and dim an int; a first call goes through call_family);
+- a fake implementation (`torch.library.register_fake`, also the Meta kernel) that checks what
+  can be checked without data (device, dtypes, shapes, dim, 0 < split < N, scale > 0) with the
+  errors of the real path, and returns empty tensors laid out as the real outputs are
+  (contiguous; along a dim other than the last, the moved layout's view), which torch.compile
+  traces with;
+- an Autograd kernel of its own (`_autograd_kernel`, for every autograd key): softmax and
+  log_softmax, with grad mode on and an input that requires gradients, run an autograd.Function
+  that saves the output and differentiates through the softmax_backward operator (the tuned
+  softmax_backward family: dx = y (dy - sum(dy y)), or for the log-softmax dx = dy - e^y sum(dy));
+  AOTAutograd traces it, so a compiled model's backward graph holds softmax_backward. The others
+  refuse such calls before anything runs (attention has no backward yet, softmax_backward no
+  second derivative): RuntimeError (autograd.no_backward_error) in eager mode, and at compile
+  time under torch.compile, where Dynamo runs the operator on fake tensors that require gradients.
+
+Why not `torch.library.custom_op` (as before issue 19): on a 2-core CPU host with torch 2.13
+(benchmarks/op_dispatch.py: a trivial implementation on a CPU tensor, dispatch cost over calling
+it directly) custom_op's dispatch cost 9-14 us per call (about 20 us on the H200 host of
+BENCHMARKS.md), `register_autograd` on a Library op 7-10 us, this registration 3-4.5 us, of which
+2-3.5 us is the dispatcher's floor (a Library op with no Autograd kernel at all costs that: the C++
+dispatcher and one call into Python and back). A call that needs no gradient costs one Python
+hop: the Autograd kernel calls the real implementation itself where the dispatcher would call it
+next, that is where the call's dispatch key set (passed to the kernel, memoised by its bits) names
+the CPU or CUDA backend after autograd, with nothing between (no tensor subclass such as
+FakeTensor, no dispatch mode, no functionalization or functorch layer). Anything else (fake or
+meta tensors while tracing, modes) is redispatched below autograd, exactly as custom_op's kernel
+always redispatches. Under torch.inference_mode() the dispatcher skips the Autograd kernel and
+calls the real one.
 
 The public functions go through these operators when they must: `autosoft.softmax` and
 `autosoft.log_softmax` on a tensor that requires gradients while autograd records, and while
-torch.compile traces (api._through_operator). Otherwise they take the plan path directly: a
-custom operator's Python dispatch costs several microseconds per call (about 10 us measured
-on a small CPU host with torch 2.13), and that path was made lean for kernels of a few
-microseconds. `autosoft` itself never imports torch, so a CuPy user never loads it; importing
-this module registers the operators (`register()`, once per process).
+torch.compile traces (api._through_operator). Otherwise they take the plan path directly, which
+has no dispatcher in between. `autosoft` itself never imports torch, so a CuPy user never loads
+it; importing this module registers the operators (`register()`, once per process).
 """
 from __future__ import annotations
 
@@ -40,6 +59,7 @@ import numpy as np
 
 from .arrays import call_along, call_family
 from .autograd import no_backward_error
+from .dispatch import DISPATCHER
 from .dtypes import TORCH_NAMES
 from .families import get_family
 from .families.base import OptionValue
@@ -52,7 +72,7 @@ __all__ = ["register", "softmax", "log_softmax", "softmax_backward", "attention"
 OPS = ("softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum")
 """The operators' names in torch.ops.autosoft: one per public function, and the softmax backward."""
 
-# the CustomOpDef objects, set by register()
+# the operators' default overloads (torch.ops.autosoft.<name>.default), set by register()
 softmax: Any = None
 log_softmax: Any = None
 softmax_backward: Any = None
@@ -61,6 +81,7 @@ attention_colsum: Any = None
 
 _lock = threading.Lock()
 _registered = False
+_lib: Any = None  # the torch.library.Library that holds the registrations (they last as long as it does)
 
 _SCHEMAS = {
     "softmax": "(Tensor x, int dim) -> Tensor",
@@ -73,10 +94,10 @@ _SCHEMAS = {
 
 
 def register() -> None:
-    """Register the operators torch.ops.autosoft.{softmax, attention, attention_colsum}, once per
-    process (later calls, from any thread, do nothing). Imports torch; ImportError where torch
-    is missing or older than torch.library.custom_op (torch 2.4)."""
-    global _registered, softmax, log_softmax, softmax_backward, attention, attention_colsum
+    """Register the operators torch.ops.autosoft.{softmax, log_softmax, softmax_backward, attention,
+    attention_colsum}, once per process (later calls, from any thread, do nothing). Imports torch;
+    ImportError where torch is missing or older than torch.library.register_fake (torch 2.4)."""
+    global _registered, _lib, softmax, log_softmax, softmax_backward, attention, attention_colsum
     if _registered:
         return
     with _lock:
@@ -84,47 +105,136 @@ def register() -> None:
             return
         import torch
 
-        if not hasattr(torch.library, "custom_op"):
-            raise ImportError(f"autosoft.torch_ops needs torch.library.custom_op (torch >= 2.4); this is torch "
+        if not hasattr(torch.library, "register_fake"):
+            raise ImportError(f"autosoft.torch_ops needs torch.library.register_fake (torch >= 2.4); this is torch "
                               f"{torch.__version__}")
-        ops = {name: _define(torch, name) for name in OPS}
-        softmax, log_softmax, softmax_backward = ops["softmax"], ops["log_softmax"], ops["softmax_backward"]
-        attention, attention_colsum = ops["attention"], ops["attention_colsum"]
+        lib = torch.library.Library("autosoft", "DEF")
+        for name in OPS:
+            lib.define(name + _SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
+        for name in OPS:
+            real, fake = _IMPLS[name]
+            # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
+            lib.impl(name, real, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"autosoft::{name}", fake, lib=lib)  # also the Meta kernel
+            op = getattr(torch.ops.autosoft, name).default
+            kernel = _autograd_kernel(torch, name, op, real, _PLAN_OPTIONS.get(name))
+            lib.impl(name, kernel, "Autograd", with_keyset=True)
+        _lib = lib
+        ops = torch.ops.autosoft
+        softmax, log_softmax = ops.softmax.default, ops.log_softmax.default
+        softmax_backward = ops.softmax_backward.default
+        attention, attention_colsum = ops.attention.default, ops.attention_colsum.default
         _registered = True
 
 
-def _define(torch: Any, name: str) -> Any:
-    real, fake = _IMPLS[name]
-    op = torch.library.custom_op(f"autosoft::{name}", real, mutates_args=(), schema=_SCHEMAS[name])
-    op.register_fake(fake)
-    # No backward yet. Without an autograd registration a call on inputs that require gradients
-    # returns outputs that carry none (torch warns at most), and backward() fails far from the call.
-    # The setup_context hook is the earliest point a custom_op's autograd wrapper offers: torch calls
-    # it only when grad mode is on and an input requires grad, right after the forward; raising
-    # there refuses the call in eager mode (after the kernel ran: the outputs are dropped) and, under
-    # torch.compile, while Dynamo runs the fake implementation, that is at compile time (Dynamo wraps
-    # it in a TorchRuntimeError, a RuntimeError, whose message holds ours). A check inside the
-    # implementation cannot do this: torch runs it with grad mode off in both cases, so it cannot
-    # tell a recording call from one under torch.no_grad().
+# --- the autograd kernels: the one Python hop of a call ---------------------------------------
+#
+# The dispatcher runs an operator's Autograd kernel first (unless inference mode or a
+# no-autograd guard excludes it), for every device. Each kernel here:
+# - with grad mode on and an input that requires gradients: softmax and log_softmax run their
+#   autograd.Function (forward below autograd, backward the softmax_backward operator); the others
+#   refuse before anything runs (no_backward_error), in eager mode and, under torch.compile, when
+#   Dynamo runs the operator on fake tensors, that is at compile time;
+# - otherwise, where the dispatcher's next kernel would be the real implementation (the call's key
+#   set, after autograd, names the CPU or CUDA backend and nothing above it: no tensor subclass,
+#   no dispatch mode, no functionalization or functorch layer), calls that implementation itself:
+#   one Python hop for the whole call;
+# - otherwise (fake tensors while tracing, meta tensors, modes, ...), redispatches below autograd,
+#   as torch.library.custom_op's autograd kernel always does.
+
+_DIRECT: dict[int, bool] = {}  # a call's dispatch key set (its raw bits) -> whether its next kernel is the real one
+
+
+def _goes_to_real(torch: Any) -> Any:
+    """direct(keyset) -> whether the dispatcher would call the real implementation next, memoised
+    in _DIRECT (the kernels look there first: a key set's bits are one cheap call, its highest
+    key after autograd several)."""
+    after = torch._C._after_ADInplaceOrView_keyset  # ADInplaceOrView: a fallthrough for these operators
+    backends = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+
+    def direct(keyset: Any) -> bool:
+        known = _DIRECT[keyset.raw_repr()] = (keyset & after).highestPriorityTypeId() in backends
+        return known
+
+    return direct
+
+
+def _autograd_kernel(torch: Any, name: str, op: Any, real: Any, plan_options: tuple | None = None) -> Any:
+    """The Autograd kernel of operator `name` (the OpOverload `op`, whose real implementation is
+    `real`), as lib.impl(..., "Autograd", with_keyset=True) takes it: kernel(keyset, *args).
+    plan_options (softmax and log_softmax): the softmax family's options as call_family keys its
+    plans; a call along the last dim then takes the plan straight from call_family's cache, as
+    _softmax does, one Python frame fewer."""
+    direct = _goes_to_real(torch)
+    below, after_autograd = torch._C._AutoDispatchBelowAutograd, torch._C._after_autograd_keyset
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+    known = _DIRECT.get  # written out in each kernel below: every call saved is ~0.1 us of the hot path
+
+    def redispatch(keyset: Any, *args: Any) -> Any:
+        with below():
+            return op.redispatch(keyset & after_autograd, *args)
+
     if name in ("softmax", "log_softmax"):
-        op.register_autograd(_softmax_grad, setup_context=_save_softmax(name == "log_softmax"))
-    else:
-        op.register_autograd(_backward(name), setup_context=_refuse(name))
-    return op
+        log = name == "log_softmax"
 
+        class Function(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Any, dim: int, keyset: Any) -> Any:  # type: ignore[override]
+                to_real = known(keyset.raw_repr())
+                if to_real is None:
+                    to_real = direct(keyset)
+                y = real(x, dim) if to_real else redispatch(keyset, x, dim)
+                ctx.save_for_backward(y)  # dx needs only y (and dy)
+                ctx.dim = dim
+                return y
 
-# --- the softmax's backward: the softmax_backward family -----------------------------------
+            @staticmethod
+            def backward(ctx: Any, dy: Any) -> Any:  # type: ignore[override]
+                (y,) = ctx.saved_tensors
+                # the module's attribute, looked up here: the operator, or a test's stand-in for it
+                return softmax_backward(y, dy, ctx.dim, log), None, None
 
-def _save_softmax(log: bool) -> Any:
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.save_for_backward(output)  # dx needs only y (and dy)
-        ctx.dim, ctx.log = inputs[1], log
-    return setup_context
+        Function.__name__ = Function.__qualname__ = f"{name}_autograd"
+        apply = Function.apply
 
+        def softmax_kernel(keyset: Any, x: Any, dim: int) -> Any:
+            if grad_enabled() and x.requires_grad:
+                return apply(x, dim, keyset)
+            to_real = known(keyset.raw_repr())
+            if to_real or (to_real is None and direct(keyset)):
+                return real(x, dim)
+            return redispatch(keyset, x, dim)
 
-def _softmax_grad(ctx: Any, dy: Any) -> Any:
-    (y,) = ctx.saved_tensors
-    return softmax_backward(y, dy, ctx.dim, ctx.log), None
+        if plan_options is None:
+            return softmax_kernel
+        plans = DISPATCHER.fast  # load_cache and forget clear it; it is never replaced
+
+        def softmax_plan_kernel(keyset: Any, x: Any, dim: int) -> Any:
+            # softmax_kernel with _softmax's hot path written in: the operator's whole Python, per call
+            if grad_enabled() and x.requires_grad:
+                return apply(x, dim, keyset)
+            to_real = known(keyset.raw_repr())
+            if to_real or (to_real is None and direct(keyset)):
+                if dim == -1:
+                    plan = plans.get(("softmax", plan_options, (), x.dtype, x.shape, x.get_device()))
+                    if plan is not None:
+                        return plan((x,), ())[0]
+                return real(x, dim)
+            return redispatch(keyset, x, dim)
+
+        return softmax_plan_kernel
+
+    def refusing_kernel(keyset: Any, *args: Any) -> Any:
+        # No backward: without this refusal, outputs of inputs that require gradients would carry
+        # none, and backward() would fail far from the call (or a model silently stop learning).
+        if grad_enabled() and any_requires_grad(*args):
+            raise _no_backward(name)
+        to_real = known(keyset.raw_repr())
+        if to_real or (to_real is None and direct(keyset)):
+            return real(*args)
+        return redispatch(keyset, *args)
+
+    return refusing_kernel
 
 
 def _no_backward(name: str) -> RuntimeError:
@@ -135,18 +245,6 @@ def _no_backward(name: str) -> RuntimeError:
     return no_backward_error(name)
 
 
-def _refuse(name: str) -> Any:
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        raise _no_backward(name)
-    return setup_context
-
-
-def _backward(name: str) -> Any:
-    def backward(ctx: Any, *grads: Any) -> Any:  # never reached: setup_context refuses first
-        raise _no_backward(name)
-    return backward
-
-
 # --- the real implementations: the public functions' calls ------------------------------------
 
 def _check_scale(name: str, scale: float) -> None:
@@ -155,10 +253,22 @@ def _check_scale(name: str, scale: float) -> None:
 
 
 def _softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if dim == -1:
+        # The hot path. The schema made x a tensor and dim an int; call_family's cached plan under
+        # call_family's own key (the same plan autosoft.softmax takes); a first call prepares it there.
+        plan = DISPATCHER.fast.get(("softmax", (), (), x.dtype, x.shape, x.get_device()))
+        if plan is not None:
+            return plan((x,), ())[0]
+        return call_family("softmax", (x,))[0]
     return call_along("softmax", x, dim, None, None, "softmax")
 
 
 def _log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if dim == -1:  # as _softmax
+        plan = DISPATCHER.fast.get(("softmax", _LOG_KEY, (), x.dtype, x.shape, x.get_device()))
+        if plan is not None:
+            return plan((x,), ())[0]
+        return call_family("softmax", (x,), options=LOG)[0]
     return call_along("softmax", x, dim, None, LOG, "log_softmax")
 
 
@@ -292,6 +402,8 @@ def _hint(size: Any) -> int | None:
 
 
 LOG = {"log": True}  # the softmax family's problem options for the log-softmax (as api.LOG)
+_LOG_KEY = tuple(LOG.items())  # as call_family puts them in its plan key
+_PLAN_OPTIONS = {"softmax": (), "log_softmax": _LOG_KEY}  # the softmax family's options in its plan keys
 
 _IMPLS = {"softmax": (_softmax, _fake_softmax), "log_softmax": (_log_softmax, _fake_log_softmax),
           "softmax_backward": (_softmax_backward, _fake_softmax_backward), "attention": (_attention, _fake_attention),

@@ -51,11 +51,20 @@ def test_the_operators_are_registered_with_their_schemas():
                      "-> (Tensor o, Tensor lse)",
         "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
                             "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)"}
-    for name in torch_ops.OPS:  # custom_op marks them as safe for torch.compile; none mutates its inputs
+    for name in torch_ops.OPS:  # tagged as safe for torch.compile; none mutates its inputs
         overload = getattr(ops, name).default
         assert torch.Tag.pt2_compliant_tag in overload.tags
         assert not overload._schema.is_mutable
-        assert getattr(torch_ops, name)._opoverload is overload
+        assert getattr(torch_ops, name) is overload
+        # the real implementation for every backend, the fake one (also the Meta kernel), and a kernel
+        # of autosoft's own for every autograd key (not torch's autograd fallback, which would let
+        # outputs of inputs that require gradients carry none)
+        qualname = f"autosoft::{name}"
+        table = dict(line.split(": ", 1) for line in torch._C._dispatch_dump_table(qualname).splitlines()
+                     if ": " in line)
+        for key in ("CPU", "CUDA", "Meta", "AutogradCPU", "AutogradCUDA", "AutogradMeta"):
+            assert "autosoft/torch_ops.py" in table[key], (name, key, table[key])
+        assert torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel is not None
 
 
 def test_register_is_idempotent_from_many_threads():
@@ -217,6 +226,89 @@ def test_the_real_implementations_call_the_array_layer_as_the_public_functions_d
         public()
         op()
         assert len(calls) == 2 and calls[0] == calls[1], calls
+
+
+def test_the_operators_take_the_plan_that_the_public_functions_prepared(monkeypatch):
+    """One plan per call signature, under call_family's key: the operators' lean path finds the plan
+    autosoft.softmax / log_softmax prepared and never prepares one of its own (a stand-in plan on a
+    CPU tensor; tests/test_gpu_torch_ops.py checks the same with real plans)."""
+    import autosoft.arrays
+    from autosoft.dispatch import DISPATCHER
+
+    prepared, ran = [], []
+
+    def prepare(family, fw, arrays, options, names):
+        prepared.append(dict(options))
+
+        def plan(arrays, scalars, given=None):
+            ran.append((tuple(arrays), scalars))
+            return (torch.full((4, 8), float(len(ran))),)
+        return plan
+
+    monkeypatch.setattr(autosoft.arrays, "_prepare", prepare)
+    x = torch.randn(4, 8)
+    try:
+        outputs = [autosoft.softmax(x), autosoft.log_softmax(x), ops.softmax(x, -1), ops.log_softmax(x, -1),
+                   torch_ops.softmax(x, -1)]
+        assert [float(y[0, 0]) for y in outputs] == [1, 2, 3, 4, 5]
+        assert prepared == [{}, {"log": True}]
+        assert all(arrays[0] is x and scalars == () for arrays, scalars in ran)
+    finally:
+        DISPATCHER.fast.clear()
+
+
+def _excluded_autograd_when_the_real_implementation_ran(monkeypatch, call):
+    """Run `call` with a stand-in array layer; whether the real implementation ran with autograd
+    excluded (the redispatch below autograd) or not (called by the autograd kernel itself)."""
+    seen = []
+
+    def record(name, arrays, *, options=None, scalars=None, out=None):
+        seen.append(torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality))
+        return (torch.zeros(arrays[0].shape),)
+
+    monkeypatch.setattr(torch_ops, "call_family", record)
+    monkeypatch.setattr(autosoft.arrays, "call_family", record)  # call_along's (a dim other than the last)
+    call()
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_a_plain_tensor_takes_one_python_hop_and_anything_else_the_dispatcher(monkeypatch):
+    """The autograd kernel calls the real implementation itself only where the dispatcher would call
+    it next: a dispatch mode (FakeTensorMode is one, as is make_fx's tracing) must still see the
+    operator, and meta tensors must reach the fake implementation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(4, 8)
+    assert not _excluded_autograd_when_the_real_implementation_ran(monkeypatch, lambda: ops.softmax(x, -1))
+    assert not _excluded_autograd_when_the_real_implementation_ran(monkeypatch, lambda: ops.log_softmax(x, 0))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:  # (the mode runs with the dispatch keys of the call's start: no signal there)
+        _excluded_autograd_when_the_real_implementation_ran(monkeypatch, lambda: ops.softmax(x, -1))
+    assert mode.ops == ["autosoft.softmax.default"]
+    with torch.inference_mode():  # no autograd kernel at all: the dispatcher calls the real implementation
+        assert _excluded_autograd_when_the_real_implementation_ran(monkeypatch, lambda: ops.softmax(x, -1))
+    meta = torch.empty(4, 8, device="meta")
+    assert ops.softmax(meta, -1).device.type == "meta"  # the fake implementation (the stand-in is not called)
+
+
+def test_inference_mode_calls_reach_the_implementations_and_record_nothing():
+    needy = torch.empty(3, 5, device="meta").requires_grad_()
+    with torch.inference_mode():
+        y = ops.log_softmax(needy, 1)
+        o, lse = ops.attention(*[needy.new_empty(1, 2, 16, 64, dtype=F16).requires_grad_()] * 3, False, 0.125)
+        with pytest.raises(TypeError, match=r"autosoft\.softmax: x is a CPU tensor"):
+            ops.softmax(torch.randn(4, 8, requires_grad=True), -1)
+    assert y.shape == (3, 5) and not y.requires_grad and not o.requires_grad and lse.shape == (1, 2, 16)
 
 
 @pytest.mark.parametrize("name", torch_ops.OPS)
@@ -437,4 +529,39 @@ def test_the_public_attention_traces_as_the_operator(no_kernels):
         o, lse = compiled(*[fake_cuda(1, 2, 16, 64, dtype=F16) for _ in range(3)])
         assert o.shape == (1, 2, 16, 64) and lse.shape == (1, 2, 16)
     assert op_targets(graphs[0]) == ["autosoft.attention.default"]
+    torch._dynamo.reset()
+
+
+def test_aot_autograd_traces_the_backward_through_softmax_backward():
+    """Training under torch.compile: AOTAutograd runs the operators' autograd kernels on its own fake
+    tensors, so the forward graph holds softmax and log_softmax and the backward graph one
+    softmax_backward for each, with its dim and flavour (meta tensors: the fake paths only)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    graphs = {"forward": [], "backward": []}
+
+    def compiler(kind):
+        def compile_graph(graph, inputs):
+            graphs[kind].append(graph)
+            return make_boxed_func(graph.forward)
+        return compile_graph
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
+                                     bw_compiler=compiler("backward"))
+
+    def f(x):
+        return ops.softmax(x * 2, -1) + ops.log_softmax(x, 0)
+
+    x = torch.empty(6, 33, device="meta").requires_grad_()
+    y = torch.compile(f, backend=backend, fullgraph=True)(x)
+    assert y.requires_grad and y.shape == (6, 33)
+    (dx,) = torch.autograd.grad(y, x, torch.empty_like(y))
+    assert dx.shape == (6, 33) and dx.device.type == "meta"
+    assert op_targets(graphs["forward"][0]) == ["autosoft.softmax.default", "autosoft.log_softmax.default"]
+    backward = [n for n in graphs["backward"][0].graph.nodes if "autosoft" in str(n.target)]
+    assert sorted((str(n.target), n.args[2], n.args[3]) for n in backward) == \
+        [("autosoft.softmax_backward.default", -1, False), ("autosoft.softmax_backward.default", 0, True)]
     torch._dynamo.reset()
