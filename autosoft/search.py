@@ -235,7 +235,11 @@ def _point_state(t: FrozenTrial) -> str | None:
     if t.state == TrialState.COMPLETE:
         return "measured"
     if t.state == TrialState.FAIL:
-        return "measured" if "status" in t.user_attrs else "reaped"
+        # A measured failure carries its status. A correct result is always COMPLETE: a failed
+        # trial with status "ok" is a tell the reaper cut between its two writes (status, then
+        # state) when a live but slow worker was taken for dead, so it is reaped, not measured.
+        status = t.user_attrs.get("status")
+        return "measured" if status is not None and status != "ok" else "reaped"
     if t.state == TrialState.RUNNING and "worker" in t.user_attrs:
         return "running"
     return None

@@ -152,6 +152,25 @@ def test_a_dead_workers_running_trial_is_taken_up_again_exactly_once(tmp_path):
     assert measured == [taken.params] and b.reaped == 1 and c.reaped == 0
 
 
+def test_a_result_cut_by_the_reaper_is_not_a_measurement(tmp_path):
+    """A live worker taken for dead (a short lease on a loaded host) can be reaped between the two
+    writes of its tell: the status first, then the state. Its trial then ends failed with status
+    "ok" and no time; it is a reaped claim, taken up again, never a measured point (eight workers
+    once all read it as one and stopped on comparing None with a time)."""
+    a = _search(journal(tmp_path), "a", is_live=lambda w: True)
+    taken = a.ask()
+    a._storage.set_trial_user_attr(a._mine[a._key(taken.params)], "status", "ok")  # tell's first write
+    b = _search(journal(tmp_path), "b", is_live=lambda w: w != "a")
+    retry = b.ask()  # reaps a's trial between tell's two writes
+    assert retry.params == taken.params and b.reaped == 1
+    assert not a.tell(taken.params, 1.0, "ok"), "the state write finds the trial failed"
+    c = _search(journal(tmp_path), "c", is_live=lambda w: w != "a")
+    assert [p for p, t, s in c.finished() if p == taken.params] == []
+    assert all(t is not None for p, t, s in c.finished() if s == "ok")
+    assert b.tell(retry.params, 2.0, "ok")
+    assert [(t, s) for p, t, s in c.finished() if p == taken.params] == [(2.0, "ok")]
+
+
 def test_two_workers_claiming_one_point_at_once_keep_it_once(tmp_path):
     a, b = _search(journal(tmp_path), "a", lambda w: True), _search(journal(tmp_path), "b", lambda w: True)
     point = dict(a._valid[3])
