@@ -73,3 +73,17 @@ def pow2_floor(n: int) -> int:
 
 def pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def worst_mismatch(got: Any, ref: Any, err: Any, tol: Any, xp: Any) -> str | None:
+    """`check`'s verdict on an (M, N) output: None when every |got - ref| (err) is within tol,
+    else how many elements are off and the worst of them. NaN (an unwritten, poisoned element)
+    counts as off."""
+    bad = ~(err <= tol)
+    nbad = int(bad.sum())
+    if nbad == 0:
+        return None
+    flat = int(xp.argmax(xp.where(bad, xp.nan_to_num(err, nan=xp.inf), -1.0)))
+    r, c = divmod(flat, got.shape[1])
+    return (f"{nbad} of {got.size} elements off; worst at [{r}, {c}]: got {float(got[r, c])!r}, "
+            f"expected {float(ref[r, c])!r} (tolerance {float(tol[r, c]):.3g})")

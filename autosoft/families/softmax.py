@@ -11,7 +11,7 @@ from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
+from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor, worst_mismatch
 from .base import Launch, Problem, ProblemOption, Target, valid_neighbours
 
 _SPLIT_NAMES = {"launches": "split", "cluster": "cluster", "grid": "grid"}  # in variant names: _split64
@@ -206,14 +206,7 @@ class SoftmaxFamily(RowsFamily):
             ref /= ref.sum(axis=1, keepdims=True)
             tol = rtol * xp.abs(ref) + row_atol * ref.max(axis=1, keepdims=True) + abs_atol
             err = xp.abs(y - ref)
-        bad = ~(err <= tol)  # NaN (an unwritten, poisoned element) counts as bad
-        nbad = int(bad.sum())
-        if nbad == 0:
-            return None
-        flat = int(xp.argmax(xp.where(bad, xp.nan_to_num(err, nan=xp.inf), -1.0)))
-        r, c = divmod(flat, problem.shape[1])
-        return (f"{nbad} of {y.size} elements off; worst at [{r}, {c}]: got {float(y[r, c])!r}, "
-                f"expected {float(ref[r, c])!r}")
+        return worst_mismatch(y, ref, err, tol, xp)
 
 
 SOFTMAX = register(SoftmaxFamily())

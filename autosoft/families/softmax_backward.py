@@ -17,7 +17,7 @@ from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
+from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor, worst_mismatch
 from .base import Launch, Problem, ProblemOption, Target, valid_neighbours
 
 
@@ -259,15 +259,7 @@ class SoftmaxBackwardFamily(RowsFamily):
             scale = xp.abs(y) * (xp.abs(dy) + xp.abs(dy * y).sum(axis=1, keepdims=True))
         rtol, coef, abs_atol = TOLERANCE[problem.dtype]
         tol = rtol * xp.abs(ref) + coef * scale + abs_atol
-        err = xp.abs(dx - ref)
-        bad = ~(err <= tol)  # NaN (an unwritten, poisoned element) counts as bad
-        nbad = int(bad.sum())
-        if nbad == 0:
-            return None
-        flat = int(xp.argmax(xp.where(bad, xp.nan_to_num(err, nan=xp.inf), -1.0)))
-        r, c = divmod(flat, problem.shape[1])
-        return (f"{nbad} of {dx.size} elements off; worst at [{r}, {c}]: got {float(dx[r, c])!r}, "
-                f"expected {float(ref[r, c])!r} (tolerance {float(tol[r, c]):.3g})")
+        return worst_mismatch(dx, ref, xp.abs(dx - ref), tol, xp)
 
 
 def _store(values64: Any, dtype: str) -> Any:
