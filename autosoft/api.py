@@ -76,7 +76,6 @@ def log_softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
 def log_softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
 
 
-
 def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     """log(softmax(x)) over dimension `dim`, computed as x - max - log(sum(e^(x - max))): the
     softmax family's log variant, tuned as its own problems (`autosoft tune softmax --log`). The

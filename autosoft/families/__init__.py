@@ -1,8 +1,9 @@
 """The family registry: families register themselves by name.
 
 Every module of this package except `base` and the private ones (`_rows`: what the row-wise
-families share) defines one family and calls `register(...)` at its end; the registry imports them all on first use, so a new built-in family is a new module here
-and nothing else. Other packages add families through the `autosoft.families` entry-point group:
+families share) defines one family and calls `register(...)` at its end; the registry imports
+them all on first use, so a new built-in family is a new module here and nothing else. Other
+packages add families through the `autosoft.families` entry-point group:
 
     [project.entry-points."autosoft.families"]
     myfamily = "mypackage.myfamily:MY_FAMILY"     # a Family instance (or a Family subclass)

@@ -1,7 +1,8 @@
 """What the families over the rows of an (M, N) array share (softmax, softmax_backward): the
-shape's text and limits, leading dimensions flattened into rows, the distance between two shapes and the smaller problem a borrowed
-variant is checked on, the vector types their templates use, and power-of-two helpers for their
-defaults. A private module: the registry imports no family from it."""
+shape's text and limits, leading dimensions flattened into rows, the distance between two shapes
+and the smaller problem a borrowed variant is checked on, the vector types their templates use,
+power-of-two helpers for their defaults, and the verdict of their checks. A private module: the
+registry imports no family from it."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from typing import Any, Mapping
 from ..errors import UserError
 from .base import Family, OptionValue, Problem
 
-__all__ = ["RowsFamily", "INT32_MAX", "VEC_BITS_TYPE", "pow2_floor", "pow2_ceil"]
+__all__ = ["RowsFamily", "INT32_MAX", "VEC_BITS_TYPE", "pow2_floor", "pow2_ceil", "worst_mismatch"]
 
 INT32_MAX = 2**31 - 1
 VEC_BITS_TYPE = {2: "unsigned short", 4: "unsigned int", 8: "uint2", 16: "uint4"}  # a vector's bits, by its bytes

@@ -162,7 +162,8 @@ class SoftmaxBackwardFamily(RowsFamily):
         changes: list[dict[str, ParamValue]] = [{"persistent": True}, {"streaming": True}]
         if problem.shape[1] * ITEMSIZE[problem.dtype] > 64 * 1024:
             # rows whose y and dy pass 128 KiB outgrow one block's registers: one of each way to
-            # hold them first (on the H200 each of these won one such sweep row), then the rest
+            # hold them first (the H200 sweep's winners of such rows and their near neighbours),
+            # then the rest
             changes += [{**held, "combine": "cluster", "split": 2, "threads": 1024, "row_threads": 1024},
                         {**streamed, "row_threads": 512, "threads": 512, "unroll": 4, "streaming": True},
                         {**staged, "row_threads": 1024, "threads": 1024, "chunks": 2},
