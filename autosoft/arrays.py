@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numbers
 import sys
+
+import numpy as np
 from typing import Any, Callable, Mapping, Sequence
 
 from .dispatch import DISPATCHER
@@ -22,6 +24,7 @@ from .families import get_family
 from .families.base import Family, OptionValue, Problem
 
 VEC_ALIGN = 16  # the kernels read 16-byte vectors: an output shares its input's address mod 16
+_int64 = np.int64  # a stride as a kernel argument
 
 
 def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, OptionValue] | None = None,
@@ -170,8 +173,12 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
             return tuple(outs)
         return empty
     problem = family.problem_for(shapes, dtype, options)
-    launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names, scalar_names)
-    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays))
+    # inputs taken with their own strides: each one's strides but the last follow the scalars
+    strided = tuple(i for i, n in enumerate(array_names) if n in family.strided_inputs)
+    stride_names = tuple(f"{array_names[i]}_stride{d}" for i in strided for d in range(len(shapes[array_names[i]]) - 1))
+    launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names + stride_names,
+                                                 scalar_names + stride_names)
+    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays), strided)
 
 
 class _Framework:
@@ -187,22 +194,28 @@ class _Framework:
     def stream(self, device: int) -> int: ...
 
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
-             align: int, n_arrays: int) -> Callable[..., tuple[Any, ...]]:
+             align: int, n_arrays: int, strided: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
         """plan(arrays, scalar_values) -> outputs, for calls with `n_arrays` input arrays: each input
         made contiguous and `align`-ed (a copy only where it is not), outputs allocated sharing the
-        first input's address mod 16, one launch on the device's current stream. The generic
-        form; frameworks may specialise it."""
+        first input's address mod 16, one launch on the device's current stream. The inputs at the
+        indices `strided` (the family's strided_inputs) are taken as they are where their last
+        dimension is contiguous and their address and other strides are `align`-ed, and their
+        strides (elements, but the last) are passed after the scalars. The generic form;
+        frameworks may specialise it."""
         fix, ptr, empty, stream = self.fix, self.ptr, self.empty, self.stream
+        fix_strided, strides_of = self.fix_strided, self.strides
 
         check_out, copy_into = self.check_out, self.copy_into
 
         def plan(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
-            ptrs = [ptr(fix(a, align)) for a in arrays]
+            held = [fix_strided(a, align) if i in strided else fix(a, align) for i, a in enumerate(arrays)]
+            ptrs = [ptr(a) for a in held]
+            strides = [s for i in strided for s in strides_of(held[i])]
             outs = [empty(shape, dt, device, ptrs[0]) for shape, dt in specs]
             direct = given is not None and check_out(given, specs[0], device, ptrs[0])
             if direct:
                 outs[0] = given
-            launch(*ptrs, *[ptr(o) for o in outs], *scalars, stream(device))
+            launch(*ptrs, *[ptr(o) for o in outs], *scalars, *strides, stream(device))
             if given is not None and not direct:
                 outs[0] = copy_into(given, outs[0])
             return tuple(outs)
@@ -220,6 +233,16 @@ class _Framework:
         return self.contiguous(out) and address % VEC_ALIGN == first_ptr % VEC_ALIGN and address != first_ptr
 
     def contiguous(self, a: Any) -> bool: ...
+
+    def strides(self, a: Any) -> list[Any]:
+        """The strides of every dimension but the last, in elements, as numpy int64 (kernel arguments)."""
+        ...
+
+    def fix_strided(self, a: Any, align: int) -> Any:
+        """a where its last dimension is contiguous and its address and other strides are
+        multiples of `align` bytes (a dimension of one element has no stride to speak of), else a
+        contiguous copy."""
+        ...
 
     def copy_into(self, out: Any, result: Any) -> Any:
         out[...] = result
@@ -241,7 +264,7 @@ class _TorchArrays(_Framework):
         self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
 
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
-             align: int, n_arrays: int) -> Callable[..., tuple[Any, ...]]:
+             align: int, n_arrays: int, strided: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
         """The generic plan with the torch calls written out: this is autosoft.softmax's hot path,
         where every call into torch costs a few hundred nanoseconds."""
         torch = self.torch
@@ -250,7 +273,7 @@ class _TorchArrays(_Framework):
         outs_spec = tuple((shape, self._dtypes[dt]) for shape, dt in specs)
         stream, realign, check_out = self.stream, self._realigned, self.check_out
 
-        if n_arrays == 1 and len(outs_spec) == 1 and align == 1:
+        if n_arrays == 1 and len(outs_spec) == 1 and align == 1 and not strided:
             # one array in, one out, any address (softmax): the fewest torch calls per call
             (out_shape, out_dtype), = outs_spec
 
@@ -273,12 +296,20 @@ class _TorchArrays(_Framework):
 
             return plan_one
 
+        fix_strided, strides_of = self.fix_strided, self.strides
+
         def plan(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
             ptrs = []
-            for a in arrays:
-                if not a.is_contiguous() or (align > 1 and a.data_ptr() % align):
+            strides = []
+            for i, a in enumerate(arrays):
+                if i in strided:
+                    a = fix_strided(a, align)
+                    strides += strides_of(a)
+                elif not a.is_contiguous() or (align > 1 and a.data_ptr() % align):
                     a = a.clone(memory_format=contiguous)  # a fresh block is 256-byte aligned
                 ptrs.append(a.data_ptr())
+            if strides:
+                scalars = (*scalars, *strides)
             first = ptrs[0] % VEC_ALIGN
             direct = given is not None and check_out(given, specs[0], device, ptrs[0])
             outs = []
@@ -323,6 +354,16 @@ class _TorchArrays(_Framework):
     def contiguous(self, a: Any) -> bool:
         return a.is_contiguous()
 
+    def strides(self, a: Any) -> list[Any]:
+        return [_int64(s) for s in a.stride()[:-1]]
+
+    def fix_strided(self, a: Any, align: int) -> Any:
+        size = a.element_size()
+        if a.data_ptr() % align == 0 and (a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] == 1) and \
+                all(n == 1 or s * size % align == 0 for n, s in zip(a.shape[:-1], a.stride()[:-1])):
+            return a
+        return a.clone(memory_format=self.torch.contiguous_format)
+
     def copy_into(self, out: Any, result: Any) -> Any:
         return out.copy_(result)
 
@@ -366,6 +407,15 @@ class _CupyArrays(_Framework):
 
     def contiguous(self, a: Any) -> bool:
         return a.flags.c_contiguous
+
+    def strides(self, a: Any) -> list[Any]:
+        return [_int64(s // a.itemsize) for s in a.strides[:-1]]
+
+    def fix_strided(self, a: Any, align: int) -> Any:
+        if a.data.ptr % align == 0 and (a.ndim == 0 or a.strides[-1] == a.itemsize or a.shape[-1] == 1) and \
+                all(n == 1 or s % align == 0 for n, s in zip(a.shape[:-1], a.strides[:-1])):
+            return a
+        return self.fix(a, align)
 
     def fix(self, a: Any, align: int) -> Any:
         if a.flags.c_contiguous and a.data.ptr % align == 0:

@@ -162,8 +162,7 @@ def _verify_on_shape(variant: Variant, store: KernelStore) -> None:
     The check runs at the family's verification shape, whose source (softmax: fewer rows of the
     same length) is the variant's own, so its cubin is the one already in the store."""
     family = get_family(variant.family)
-    shape = family.verification_shape(variant.problem.shape)
-    small = build_variant(family, replace(variant.problem, shape=shape), variant.params, variant.target)
+    small = build_variant(family, family.verification_problem(variant.problem), variant.params, variant.target)
     wrong = verify(family, LoadedVariant(small, _compile_or_fail(small, store)), seed=1)
     if wrong:
         raise RuntimeError(f"autosoft: {variant.name} failed verification on shape {variant.problem.shape_text}: "

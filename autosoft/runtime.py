@@ -5,15 +5,20 @@ Everything that needs a CUDA driver lives here, so the rest of the package impor
 from __future__ import annotations
 
 import ctypes
+import functools
+import re
 import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from .errors import NoDeviceError, one_line
 from .families.base import Launch, Target, Variant
 
+_STRIDE = re.compile(r"\w+_stride\d+")  # a strided input's stride argument (Family.strided_inputs)
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 
@@ -98,13 +103,37 @@ class LoadedVariant:
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
         self._launchers: dict[tuple, Callable[..., None]] = {}  # launch_raw's, by (names, scalar names)
+        self._stride_args = tuple(dict.fromkeys(a for l in variant.launches for a in l.args
+                                                if isinstance(a, str) and _STRIDE.fullmatch(a)))
 
     def launch(self, buffers: Mapping[str, Any], stream: Any = None) -> None:
-        """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar."""
+        """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar.
+        A stride argument the launches name ("q_stride1") and `buffers` lacks is the array's own
+        (CuPy strides are in bytes; the kernels take elements)."""
         cp = cupy_module()
         stream_ptr = (stream or cp.cuda.get_current_stream()).ptr
         values = {k: (v.data.ptr if isinstance(v, cp.ndarray) else v) for k, v in buffers.items()}
+        for name in self._stride_args:
+            if name not in values:
+                array, _, dim = name.rpartition("_stride")
+                a = buffers[array]
+                values[name] = np.int64(a.strides[int(dim)] // a.itemsize) if hasattr(a, "strides") \
+                    else self._contiguous_strides[name]
         self.launch_raw(values, stream_ptr)
+
+    @functools.cached_property
+    def _contiguous_strides(self) -> dict[str, Any]:
+        """The stride arguments of contiguous inputs (`Family.input_shapes`), for buffers given as
+        bare pointers."""
+        from .families import get_family
+
+        out = {}
+        for array, shape in get_family(self.variant.family).input_shapes(self.variant.problem).items():
+            step = 1
+            for dim in reversed(range(len(shape))):
+                out[f"{array}_stride{dim}"] = np.int64(step)
+                step *= shape[dim]
+        return out
 
     def launcher(self, names: tuple[str, ...], scalars: tuple[str, ...] = ()) -> Callable[..., None]:
         """A launch function for a hot path: f(*values, stream_ptr), one value per name, in the
@@ -257,8 +286,6 @@ class _RawLaunch:
 
 
 def _ctype_of(value: Any) -> Any:
-    import numpy as np
-
     kinds = {np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.uint64: ctypes.c_uint64,
              np.float32: ctypes.c_float, np.float64: ctypes.c_double}
     if type(value) in kinds:

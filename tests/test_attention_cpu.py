@@ -47,7 +47,7 @@ def test_shape_forms(text):
     ("1,32,-5,64", "B,H,N,D"),
     ("0,32,8192,64", "at least 1"),
     ("1,32,8192,80", "head dim"),
-    ("1,32,8192,256", "head dim"),
+    ("1,32,8192,512", "head dim"),
     ("70000,1,16,64", "at most 65535"),
 ])
 def test_bad_shapes_say_what_to_do(text, needle):
@@ -102,7 +102,7 @@ def test_space_defaults_and_constraints(shape, dtype, flags, arch):
 def test_tiny_sequence_gets_the_smallest_tiles():
     problem = FAMILY.problem("1,1,1,64", "float16")
     valid = space_of(FAMILY).valid_points(_values(problem))
-    assert {(p["block_m"], p["block_n"], p["stages"]) for p in valid} == {(64, 32, 1)}
+    assert {(p["block_m"], p["block_n"], p["stages"]) for p in valid} == {(16, 32, 1)}
 
 
 def test_shared_memory_limit_prunes_sm80_less_than_sm90():
@@ -127,13 +127,16 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers"}
+    params = {"block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+              "pack": False, "splits": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
     (launch,) = v.launches
     assert launch.grid == (8, 16, 2) and launch.block == (256, 1, 1)
     assert launch.shared_mem == (128 + 2 * 2 * 64) * 128 * 2
-    assert launch.args == ("q", "k", "v", "o", "lse", "scale")
+    strides = tuple(f"{a}_stride{i}" for a in "qkv" for i in range(3))
+    assert launch.args == ("q", "k", "v", "o", "lse", "scale", *strides)
+    assert v.workspace_bytes == 0
 
 
 # --- rendering and compiling ------------------------------------------------------------

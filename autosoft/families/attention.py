@@ -1,15 +1,32 @@
 """Flash-attention forward, FlashAttention-2 style on tensor cores: fp16 and bf16 in, fp32 arithmetic.
 
-q, k, v are contiguous (B, H, N, D) arrays; the outputs are o (B, H, N, D, the input dtype) and
-lse (B, H, N, float32): the natural log of the sum of exp(scale * q.k) over each query's keys.
-Problem.flags == ("causal",) masks keys after the query. The scale (default 1/sqrt(D)) is a
-kernel argument, bound at run time from the buffer named "scale" (a numpy float32); it must be
-positive, since the kernel tracks the running max of the unscaled scores q.k.
+q is (B, H, N, D), k and v are (B, Hkv, Nkv, D) with H a multiple of Hkv (grouped-query
+attention; Hkv = 1 is multi-query) and Nkv any length; the problem's shape is q's, and the
+options kv_heads and kv_len say Hkv and Nkv where they differ from H and N. Each array's last
+dimension is contiguous; its other strides are run-time kernel arguments (`strided_inputs`), so
+views such as the (B, N, H, D) halves of a fused QKV projection, transposed, are taken without a
+copy. The outputs are o (B, H, N, D, the input dtype, contiguous) and lse (B, H, N, float32): the
+natural log of the sum of exp(s) over the keys each query sees, s = scale * q.k (or, with
+softcap c, c * tanh(scale * q.k / c)).
+
+Which keys query i sees: all of them, or with `causal` those at or before its position, and
+with a window those within window_left before and window_right after it. The position of query
+i is key i + Nkv - N: aligned bottom-right as FlashAttention >= 2.1 does (what prefill with a
+cache and decoding need; torch's is_causal aligns top-left). A query that sees no key gets
+o = 0 and lse = -inf. The scale (default 1/sqrt(D)) is a kernel argument, bound at run time from
+the buffer named "scale" (a numpy float32); it must be positive, since the kernel tracks the
+running max of the unscaled scores q.k.
+
+Variants differ in tiles, warps, pipeline and layout, and in two axes for few queries per head
+(decoding): `pack`, the query heads of one KV head sharing the rows of one block so K and V are
+read once per group, and `splits`, the keys of one query tile shared among blocks whose partial
+outputs the last of them merges (flash-decoding).
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -23,9 +40,10 @@ from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, v
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
 _MMA_TYPE = {"float16": "f16", "bfloat16": "bf16"}
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (32, 64, 96, 128, 256)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
+SPLITS_MAX = 32
 
 # ||o - ref|| / ||ref|| over the whole output; a single row may be off by ROW_FACTOR times more.
 # The error comes from rounding P to the input dtype before P.V and rounding O on output.
@@ -36,19 +54,37 @@ _REF_BYTES = 256 << 20  # float64 score block of the reference, per chunk
 
 
 class AttentionFamily(Family):
-    """o = softmax(scale * q k^T [causal]) v and its log-sum-exp, for (B, H, N, D) q, k, v."""
+    """o = softmax(s) v over the keys each query sees, and its log-sum-exp, for q (B, H, N, D) and
+    k, v (B, Hkv, Nkv, D)."""
     name = "attention"
     template = "attention/attention.cu.j2"
     inputs = ("q", "k", "v", "scale")
     outputs = ("o", "lse")
-    input_kinds = ("normal", "normal_x10", "equal")
+    strided_inputs = ("q", "k", "v")
+    head_dims: tuple[int, ...] = HEAD_DIMS
+    input_kinds = ("normal", "normal_x10", "equal", "strided")
     dtypes = ("float16", "bfloat16")
     default_dtype = "bfloat16"
-    options = (ProblemOption("causal", "mask keys after the query (key j > query i)"),)
-    shape_help = "B,H,N,D (or BxHxNxD): batch, heads, sequence length, head dim, e.g. 1,32,8192,64"
+    options = (
+        ProblemOption("causal", "mask keys after the query's position (key j > i + Nkv - N: bottom-right)"),
+        ProblemOption("kv_heads", "heads of k and v, when fewer than H (grouped-query attention; H a multiple "
+                      "of it)", kind="int"),
+        ProblemOption("kv_len", "keys (and values) per head, when not N; query i stands at key i + kv_len - N",
+                      kind="int"),
+        ProblemOption("window_left", "keys before the query's position it sees (sliding window)", kind="int"),
+        ProblemOption("window_right", "keys after the query's position it sees (sliding window)", kind="int"),
+        ProblemOption("softcap", "cap the scores: s becomes softcap * tanh(s / softcap) (Gemma 2)", kind="float"),
+    )
+    shape_help = ("B,H,N,D (or BxHxNxD): batch, query heads, queries per head, head dim, e.g. 1,32,8192,64; "
+                  "--kv-heads and --kv-len for k and v that differ")
     examples = (("1,1,1,32", "float16", {}), ("1,2,77,64", "bfloat16", {"causal": True}),
                 ("3,7,1000,64", "float16", {}), ("1,8,3333,128", "bfloat16", {"causal": True}),
-                ("4,16,4096,128", "float16", {}), ("1,32,8192,64", "bfloat16", {"causal": True}))
+                ("4,16,4096,128", "float16", {}), ("1,32,8192,64", "bfloat16", {"causal": True}),
+                ("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 32768}),
+                ("2,8,7,96", "float16", {"kv_heads": 1, "kv_len": 3333, "causal": True}),
+                ("1,8,1000,256", "bfloat16", {"kv_heads": 2, "causal": True, "window_left": 100}),
+                ("2,4,64,64", "float16", {"kv_len": 1000, "window_left": 64, "window_right": 64,
+                                          "softcap": 30.0}))
 
     # --- problem ------------------------------------------------------------------------
 
@@ -64,75 +100,184 @@ class AttentionFamily(Family):
         if len(shape) != 4 or min(shape) < 1:
             raise UserError(f"malformed --shape {text!r}: B, H, N and D must be at least 1, e.g. 1,32,8192,64")
         b, h, n, d = (int(s) for s in shape)
-        if d not in HEAD_DIMS:
+        if d not in self.head_dims:
             raise UserError(f"shape {text!r}: head dim D={d} is not supported; use one of "
-                            f"{', '.join(map(str, HEAD_DIMS))} (pad the heads to the next one)")
+                            f"{', '.join(map(str, self.head_dims))} (pad the heads to the next one)")
         if b > GRID_YZ_MAX or h > GRID_YZ_MAX:
             raise UserError(f"shape {text!r}: B and H must be at most {GRID_YZ_MAX} (fold them into each other)")
         if n * d > INT32_MAX:
             raise UserError(f"shape {text!r}: sequences longer than {INT32_MAX // d} are not supported for D={d}")
         return (b, h, n, d)
 
+    @property
+    def _grouped(self) -> bool:
+        """Whether this family takes k and v of other head counts and lengths than q (families
+        that extend the kernel without those options take one shape)."""
+        return any(o.name == "kv_heads" for o in self.options)
+
+    def problem(self, shape_text: str, dtype: str | None = None,
+                options: Mapping[str, OptionValue] | Any = ()) -> Problem:
+        return self._normalised(super().problem(shape_text, dtype, options))
+
+    def _normalised(self, problem: Problem) -> Problem:
+        """The problem with kv_heads and kv_len dropped where they equal H and N (one key per
+        problem), checked: H a multiple of kv_heads, lengths in range, windows >= 0, softcap > 0."""
+        if not self._grouped:
+            return problem
+        b, h, n, d = problem.shape
+        opts = dict(problem.options)
+        kv_heads, kv_len = int(opts.get("kv_heads", h)), int(opts.get("kv_len", n))
+        if not 1 <= kv_heads <= h or h % kv_heads:
+            raise UserError(f"--kv-heads {kv_heads}: the {h} query heads must be a multiple of the KV heads")
+        if not 1 <= kv_len or kv_len * d > INT32_MAX:
+            raise UserError(f"--kv-len {kv_len}: expected 1 to {INT32_MAX // d} keys")
+        for side in ("window_left", "window_right"):
+            if side in opts and not int(opts[side]) >= 0:
+                raise UserError(f"--{side.replace('_', '-')} {opts[side]}: expected a number of keys >= 0")
+        if "softcap" in opts and not (math.isfinite(float(opts["softcap"])) and float(opts["softcap"]) > 0):
+            raise UserError(f"--softcap {opts['softcap']}: expected a positive number")
+        if kv_heads == h:
+            opts.pop("kv_heads", None)
+        if kv_len == n:
+            opts.pop("kv_len", None)
+        return replace(problem, options=tuple(sorted(opts.items())))
+
     def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                     options: Mapping[str, OptionValue]) -> Problem:
-        self.check_shapes(shapes)
-        return super().problem_for(shapes, dtype, options)
+        q, k, _ = self.check_shapes(shapes)
+        given = dict(options)
+        if self._grouped:
+            given.update(kv_heads=k[1], kv_len=k[2])
+        problem = super().problem_for({**shapes, "q": q}, dtype, given)
+        try:
+            return self._normalised(problem)
+        except UserError as exc:
+            raise ValueError(f"autosoft.{self.name}: {exc}") from None
 
-    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-        """q's shape when q, k and v are (B, H, N, D) arrays of one shape (empty ones too), else ValueError."""
+    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+        """(q, k, v) shapes when they fit together (empty ones too), else ValueError: q (B, H, N, D),
+        k and v (B, Hkv, Nkv, D) of one shape, H a multiple of Hkv (one shape for all three in a
+        family without kv_heads)."""
         q, k, v = (tuple(shapes[n]) for n in ("q", "k", "v"))
-        if len(q) != 4 or k != q or v != q:
-            raise ValueError(f"autosoft.{self.name}: q, k, v must be (B, H, N, D) arrays of one shape, got {q}, {k}, {v}")
-        return q
+        who = f"autosoft.{self.name}"
+        if not self._grouped:
+            if len(q) != 4 or k != q or v != q:
+                raise ValueError(f"{who}: q, k, v must be (B, H, N, D) arrays of one shape, got {q}, {k}, {v}")
+            return q, k, v
+        if len(q) != 4 or len(k) != 4 or v != k:
+            raise ValueError(f"{who}: q must be (B, H, N, D) and k, v (B, Hkv, Nkv, D) of one shape, got {q}, {k}, {v}")
+        if k[0] != q[0] or k[3] != q[3]:
+            raise ValueError(f"{who}: q {q} and k, v {k} must share the batch (first) and head dim (last)")
+        if k[1] < 1 or q[1] % k[1]:
+            raise ValueError(f"{who}: q's {q[1]} heads must be a multiple of k's and v's {k[1]} (grouped-query attention)")
+        return q, k, v
 
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        q = self.check_shapes(shapes)  # also for empty inputs, which never reach a Problem
+        q = self.check_shapes(shapes)[0]  # also for empty inputs, which never reach a Problem
         return {"o": (q, dtype), "lse": (q[:3], "float32")}
 
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         b, h, n, d = problem.shape
-        return {"B": b, "H": h, "N": n, "D": d, "itemsize": ITEMSIZE[problem.dtype],
-                "causal": "causal" in problem.flags, "smem_limit": target.smem_optin}
+        kv_heads, kv_len = _kv(problem)
+        return {"B": b, "H": h, "N": n, "D": d, "NKV": kv_len, "G": h // kv_heads, "itemsize": ITEMSIZE[problem.dtype],
+                "causal": "causal" in problem.flags, "smem_limit": target.smem_optin, "sm_count": target.sm_count}
 
     # --- a variant ----------------------------------------------------------------------
 
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
-        name = (f"attention_{_SHORT[problem.dtype]}_d{problem.shape[3]}"
-                f"{'_causal' if 'causal' in problem.flags else ''}"
+        kv_heads, kv_len = _kv(problem)
+        group = problem.shape[1] // kv_heads
+        mask = "_causal" if "causal" in problem.flags else ""
+        if problem.option("window_left") is not None or problem.option("window_right") is not None:
+            mask += "_window"
+        name = (f"attention_{_SHORT[problem.dtype]}_d{problem.shape[3]}{mask}"
+                f"{'_softcap' if problem.option('softcap') is not None else ''}"
+                f"{f'_g{group}' if group > 1 else ''}"
                 f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
                 f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
             name += "_qreg"
+        if p.get("pack"):
+            name += "_pack"
+        if int(p.get("splits", 1)) > 1:
+            name += f"_split{p['splits']}"
         return name
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
-        return {**values, "dtype": problem.dtype, "mma_type": _MMA_TYPE[problem.dtype]}
+        """The space's values, with what the kernel bakes in: lengths, group, mask and cap (a family
+        that extends the kernel without pack and splits gets neither)."""
+        b, h, n, d = problem.shape
+        kv_heads, kv_len = _kv(problem)
+        window_left, window_right = problem.option("window_left"), problem.option("window_right")
+        softcap = problem.option("softcap")
+        return {**values, "dtype": problem.dtype, "mma_type": _MMA_TYPE[problem.dtype], "NQ": n, "NKV": kv_len,
+                "group": h // kv_heads, "pack": bool(values.get("pack", False)), "splits": int(values.get("splits", 1)),
+                "strided": bool(self.strided_inputs),
+                "window_left": -1 if window_left is None else int(window_left),
+                "window_right": -1 if window_right is None else int(window_right),
+                "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None,
+                "single_length": False}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
-        b, h, n, _ = problem.shape
-        grid = (-(-n // values["block_m"]), h, b)
+        b, h, n, d = problem.shape
+        kv_heads, _ = _kv(problem)
+        pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
+        rows = (h // kv_heads) * n if pack else n
+        m_blocks = -(-rows // values["block_m"])
+        grid = (m_blocks * splits, kv_heads if pack else h, b)
         block = (32 * values["warps"], 1, 1)
-        return (Launch("attention_fwd", grid, block, values["smem_bytes"], ("q", "k", "v", "o", "lse", "scale")),), 0
+        args: tuple[str, ...] = ("q", "k", "v", "o", "lse", "scale")
+        args += tuple(f"{name}_stride{i}" for name in self.strided_inputs for i in range(3))
+        workspace = 0
+        if splits > 1:  # partial lse and O / l of every (query row, split), then arrival counters
+            partials = b * h * n * splits
+            workspace = 4 * (-(-partials // 4) * 4 + partials * d + m_blocks * grid[1] * b)
+            args += ("workspace",)
+        return (Launch("attention_fwd", grid, block, values["smem_bytes"], args),), workspace
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """4 warps of 32 query rows each (two mma tiles share every K/V fragment read from shared
-        memory), 64 keys per tile, a two-stage pipeline, swizzled rows; Q fragments in registers
-        for D <= 64 (re-read from shared memory for D = 128, where registers are short). The best
-        of all 102 / 82 variants at 1x32x8192x64 / 4x16x4096x128 bf16 on an H200 (352 and 364
-        TFLOP/s). Smaller query tiles when 128-row tiles cannot fill the GPU."""
+        """Many queries per head: 4 warps of 32 query rows each (two mma tiles share every K/V
+        fragment read from shared memory), 64 keys per tile, a two-stage pipeline, swizzled rows;
+        Q fragments in registers for D <= 64 (re-read from shared memory for larger D, where
+        registers are short). The best of all 102 / 82 variants at 1x32x8192x64 / 4x16x4096x128
+        bf16 on an H200 (352 and 364 TFLOP/s). Smaller query tiles when 128-row tiles cannot fill
+        the GPU.
+
+        Few rows per head (decoding: N * H / kv_heads <= 64 with the heads of a group packed):
+        one warp per 16 rows, the group's query heads packed into them, 64-key tiles four deep,
+        and the keys split among enough blocks to give every SM two."""
         b, h, n, d = problem.shape
-        p: dict[str, ParamValue] = {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "layout": "swizzle",
-                                    "q_in": "registers" if d <= 64 else "smem"}
+        kv_heads, kv_len = _kv(problem)
+        group = h // kv_heads
+        q_in = "registers" if d <= 64 else "smem"
+        if self._splits and group * n <= 64:
+            rows = group * n
+            block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+            p: dict[str, ParamValue] = {"block_m": block_m, "block_n": 64, "warps": block_m // 16, "stages": 4,
+                                        "layout": "swizzle" if d != 96 else "pad", "q_in": "registers" if d <= 128 else "smem",
+                                        "pack": group > 1, "splits": 1}
+            blocks = kv_heads * b
+            while self._splits and blocks * int(p["splits"]) < 2 * target.sm_count and int(p["splits"]) < SPLITS_MAX and \
+                    self.is_valid(problem, target, {**p, "splits": 2 * int(p["splits"])}):
+                p["splits"] = 2 * int(p["splits"])
+            return self._first_valid(problem, target, p)
+        p = {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "layout": "swizzle" if d != 96 else "pad",
+             "q_in": q_in, "pack": False, "splits": 1}
         if -(-n // 128) * b * h < target.sm_count:
             p.update(block_m=64)
+        blocks = -(-n // int(p["block_m"])) * b * h
+        while self._splits and blocks * int(p["splits"]) < target.sm_count and int(p["splits"]) < 8 and \
+                self.is_valid(problem, target, {**p, "splits": 2 * int(p["splits"])}):
+            p["splits"] = 2 * int(p["splits"])
         return self._first_valid(problem, target, p)
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Neighbours of the default that are often better: the tuner tries these first."""
         base = self.default_params(problem, target)
         other_q = "smem" if base["q_in"] == "registers" else "registers"
+        splits = int(base.get("splits", 1))
         changes = (
             {"stages": 3},
             {"q_in": other_q},
@@ -141,18 +286,39 @@ class AttentionFamily(Family):
             {"block_m": 64, "block_n": 128, "q_in": "registers"},
             {"block_m": 128, "warps": 8, "block_n": 128, "stages": 3, "q_in": "registers"},  # 16 rows per warp
             {"block_n": 32, "stages": 3},
-        )
+        ) + (({"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
+               {"splits": min(SPLITS_MAX, 4 * splits)}, {"block_n": 128, "stages": 2}, {"stages": 2},
+               {"pack": not base.get("pack", False)}) if self._splits else ())
         return valid_neighbours(self, problem, target, base, changes)
 
+    def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
+        """is_valid, and False for values the space does not declare (a family that extends the
+        kernel may declare fewer tiles)."""
+        try:
+            return self.is_valid(problem, target, params)
+        except UserError:
+            return False
+
+    @property
+    def _splits(self) -> bool:
+        """Whether the space has pack and splits (a family that extends the kernel may not)."""
+        return "splits" in self.space.names
+
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
-        # smaller key tiles, shallower pipeline, smaller query tile: the last step is valid for any N >= 1
-        for block_m, warps in ((p["block_m"], p["warps"]), (64, 4)):
+        # smaller key tiles, shallower pipeline, fewer splits, smaller query tile: the last step
+        # is valid for any problem
+        if not self._splits:
+            p = {name: value for name, value in p.items() if name not in ("pack", "splits")}
+        for block_m, warps in ((p["block_m"], p["warps"]), (64, 4), (16, 1)):
             for block_n in (p["block_n"], 64, 32):
                 for stages in (p["stages"], 2, 1):
-                    candidate = {**p, "block_m": block_m, "warps": warps, "block_n": block_n, "stages": stages}
-                    if int(block_n) <= int(p["block_n"]) and int(stages) <= int(p["stages"]) \
-                            and self.is_valid(problem, target, candidate):
-                        return candidate
+                    for splits in (p.get("splits", 1), 1):
+                        candidate = {**p, "block_m": block_m, "warps": warps, "block_n": block_n, "stages": stages}
+                        if "splits" in p:
+                            candidate["splits"] = splits
+                        if int(block_n) <= int(p["block_n"]) and int(stages) <= int(p["stages"]) \
+                                and self._valid_point(problem, target, candidate):
+                            return candidate
         raise AssertionError(f"no valid default attention variant for {problem}")
 
     # --- what it costs ------------------------------------------------------------------
@@ -163,37 +329,74 @@ class AttentionFamily(Family):
             return math.inf
         return sum(abs(math.log2(x) - math.log2(y)) * w for x, y, w in zip(a[:3], b[:3], (1, 1, 4)))
 
+    def problem_distance(self, a: Problem, b: Problem) -> float:
+        """The shapes' distance plus log2 steps between key lengths (weighing as N does), for
+        problems of one mask, cap and group size (query heads per KV head); else never."""
+        ka, kb = _kv(a), _kv(b)
+        same = {n: v for n, v in a.options if n not in ("kv_heads", "kv_len")} == \
+            {n: v for n, v in b.options if n not in ("kv_heads", "kv_len")}
+        if not same or a.shape[1] // ka[0] != b.shape[1] // kb[0]:
+            return math.inf
+        return self.shape_distance(a.shape, b.shape) + 4 * abs(math.log2(ka[1]) - math.log2(kb[1]))
+
+    def verification_problem(self, problem: Problem) -> Problem:
+        """One batch and up to two KV heads' worth of query heads, the same lengths: the same
+        compiled kernel (sizes other than the lengths and the group are run-time), much less work."""
+        b, h, n, d = problem.shape
+        kv_heads, _ = _kv(problem)
+        group = h // kv_heads
+        small_h = group * min(kv_heads, 2 if group == 1 else 1)
+        opts = dict(problem.options)
+        if "kv_heads" in opts:
+            opts["kv_heads"] = small_h // group
+        return replace(problem, shape=(1, small_h, n, d), options=tuple(sorted(opts.items())))
+
     def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """One batch and two heads of the same N and D: the same compiled kernel, much less work."""
+        """One batch and two heads of the same N and D (for problems without grouped heads)."""
         return (1, min(shape[1], 2), shape[2], shape[3])
 
     def bytes_moved(self, problem: Problem) -> int:
         b, h, n, d = problem.shape
-        return 4 * b * h * n * d * ITEMSIZE[problem.dtype] + 4 * b * h * n
+        kv_heads, kv_len = _kv(problem)
+        return ITEMSIZE[problem.dtype] * d * (2 * b * h * n + 2 * b * kv_heads * kv_len) + 4 * b * h * n
 
     def flops(self, problem: Problem) -> float:
+        """4 D flops (q.k and p.v) for each (query, key) pair a query sees."""
         b, h, n, d = problem.shape
-        f = 4.0 * b * h * n * n * d
-        return f / 2 if "causal" in problem.flags else f
+        return 4.0 * b * h * d * visible_pairs(problem)
 
     def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
         return {"o": (problem.shape, problem.dtype), "lse": (problem.shape[:3], "float32")}
 
+    def input_shapes(self, problem: Problem) -> dict[str, tuple[int, ...]]:
+        b, h, n, d = problem.shape
+        kv_heads, kv_len = _kv(problem)
+        return {"q": problem.shape, "k": (b, kv_heads, kv_len, d), "v": (b, kv_heads, kv_len, d)}
+
     # --- verification (runs on the GPU through CuPy; xp is the cupy module) ---------------
 
     def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
-        shape = problem.shape
-        q = rng.standard_normal(shape, dtype=np.float32)
-        k = rng.standard_normal(shape, dtype=np.float32)
-        v = rng.standard_normal(shape, dtype=np.float32)
+        b, h, n, d = problem.shape
+        kv_heads, kv_len = _kv(problem)
+        q = rng.standard_normal((b, h, n, d), dtype=np.float32)
+        k = rng.standard_normal((b, kv_heads, kv_len, d), dtype=np.float32)
+        v = rng.standard_normal((b, kv_heads, kv_len, d), dtype=np.float32)
         if kind == "normal_x10":      # large logits: a few keys take almost all the weight
             q *= 10
         elif kind == "equal":         # every key the same: uniform weights, o = mean of v
             k[...] = k[:, :, :1, :]
-        elif kind != "normal":
+        elif kind not in ("normal", "strided"):
             raise ValueError(f"unknown input kind {kind!r}")
-        return {"q": to_storage(q, problem.dtype, xp), "k": to_storage(k, problem.dtype, xp),
-                "v": to_storage(v, problem.dtype, xp), "scale": np.float32(1.0 / math.sqrt(shape[3]))}
+        arrays = {"q": to_storage(q, problem.dtype, xp), "k": to_storage(k, problem.dtype, xp),
+                  "v": to_storage(v, problem.dtype, xp)}
+        if kind == "strided" and self.strided_inputs:
+            # (B, N, H, D) layouts seen as (B, H, N, D), k and v inside a longer cache: the kernel's strides
+            for name, a in arrays.items():
+                bb, hh, nn, dd = a.shape
+                held = xp.empty((bb, nn + 3, hh, dd), dtype=a.dtype)
+                held[:, 1:nn + 1] = a.transpose(0, 2, 1, 3)
+                arrays[name] = held[:, 1:nn + 1].transpose(0, 2, 1, 3)
+        return {**arrays, "scale": np.float32(1.0 / math.sqrt(d))}
 
     def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
         o = to_float64(outputs["o"], problem.dtype, xp)
@@ -214,42 +417,85 @@ class AttentionFamily(Family):
             b, h, i = np.unravel_index(flat, problem.shape[:3])
             return (f"{int(bad_rows.sum())} rows off; worst o[{b}, {h}, {i}]: relative error "
                     f"{float(row_err[b, h, i] / row_ref[b, h, i]):.3g} > {ROW_FACTOR * tol:g}")
-        lse_err = xp.abs(lse - ref_lse)
-        bad = ~(lse_err <= LSE_ATOL + LSE_RTOL * xp.abs(ref_lse))
+        empty = xp.isneginf(ref_lse)  # a query that sees no key: lse -inf exactly
+        lse_err = xp.where(empty, 0.0, xp.abs(lse - xp.where(empty, 0.0, ref_lse)))
+        bad = ~(lse_err <= LSE_ATOL + LSE_RTOL * xp.abs(xp.where(empty, 0.0, ref_lse))) | (empty != xp.isneginf(lse))
         if bool(bad.any()):
-            flat = int(xp.argmax(xp.where(bad, lse_err, -1.0)))
+            flat = int(xp.argmax(xp.where(bad, xp.where(empty != xp.isneginf(lse), xp.inf, lse_err), -1.0)))
             b, h, i = np.unravel_index(flat, problem.shape[:3])
             return (f"{int(bad.sum())} lse values off; worst lse[{b}, {h}, {i}]: got {float(lse[b, h, i])!r}, "
                     f"expected {float(ref_lse[b, h, i])!r}")
         return None
 
 
+def _kv(problem: Problem) -> tuple[int, int]:
+    """(KV heads, keys per head) of a problem: its kv_heads and kv_len options, else H and N."""
+    return int(problem.option("kv_heads", problem.shape[1])), int(problem.option("kv_len", problem.shape[2]))
+
+
+def key_bounds(problem: Problem, queries: Any, xp: Any = np) -> tuple[Any, Any]:
+    """(first, last) key each query index in `queries` sees, as the kernel's key_lo and key_hi:
+    positions aligned bottom-right, then causal and window limits; first > last: none."""
+    n = problem.shape[2]
+    kv_len = _kv(problem)[1]
+    at = queries + (kv_len - n)  # the query's position among the keys
+    left, right = problem.option("window_left"), problem.option("window_right")
+    lo = at - int(left) if left is not None else xp.zeros_like(at)
+    hi = xp.full_like(at, kv_len - 1)
+    if "causal" in problem.flags:
+        hi = xp.minimum(hi, at)
+    if right is not None:
+        hi = xp.minimum(hi, at + int(right))
+    return xp.maximum(lo, 0), hi
+
+
+def visible_pairs(problem: Problem) -> float:
+    """(query, key) pairs of one head that are not masked, the mask's area: a key at the causal
+    edge counts half, so that causal attention of N queries and keys has N^2 / 2 pairs, as
+    FlashAttention's and cuDNN's benchmarks count it."""
+    lo, hi = key_bounds(problem, np.arange(problem.shape[2], dtype=np.int64))
+    seen = np.maximum(hi - lo + 1, 0)
+    edge = 0.0
+    if "causal" in problem.flags:  # rows whose last key is the one at their own position
+        at = np.arange(problem.shape[2], dtype=np.int64) + (_kv(problem)[1] - problem.shape[2])
+        edge = 0.5 * int(((hi == at) & (seen > 0)).sum())
+    return float(seen.sum()) - edge
+
+
 def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any, Any]:
-    """float64 attention on the GPU, in chunks of heads and query rows so that no N x N block
-    of all heads is ever held at once. Returns (o, lse) shaped like the kernel's outputs."""
+    """float64 attention on the GPU with explicit masks, in chunks of KV heads and query rows so
+    that no (query, key) block of all heads is ever held at once, and k and v are never copied
+    per query head. Returns (o, lse) shaped like the kernel's outputs; a query that sees no key
+    gets o = 0 and lse = -inf."""
     b, h, n, d = problem.shape
-    causal = "causal" in problem.flags
+    kv_heads, kv_len = _kv(problem)
+    group = h // kv_heads
     scale = float(inputs["scale"])
-    q = to_float64(inputs["q"], problem.dtype, xp).reshape(b * h, n, d)
-    k = to_float64(inputs["k"], problem.dtype, xp).reshape(b * h, n, d)
-    v = to_float64(inputs["v"], problem.dtype, xp).reshape(b * h, n, d)
-    o = xp.empty((b * h, n, d), dtype=np.float64)
-    lse = xp.empty((b * h, n), dtype=np.float64)
-    rows = max(1, min(n, _REF_BYTES // (8 * n)))
-    heads = max(1, min(b * h, _REF_BYTES // (8 * n * rows)))
-    for h0 in range(0, b * h, heads):
-        hs = slice(h0, min(b * h, h0 + heads))
+    cap = problem.option("softcap")
+    # query head hkv * group + g reads KV head hkv: q as (B * kv_heads, group, N, D)
+    q, k, v = (inputs[name].reshape(b * kv_heads, -1, inputs[name].shape[-2], d) for name in ("q", "k", "v"))
+    o = xp.empty((b * kv_heads, group, n, d), dtype=np.float64)
+    lse = xp.empty((b * kv_heads, group, n), dtype=np.float64)
+    rows = max(1, min(n, _REF_BYTES // (8 * kv_len * group)))
+    heads = max(1, min(b * kv_heads, _REF_BYTES // (8 * kv_len * group * rows)))
+    keys = xp.arange(kv_len)[None, :]
+    for h0 in range(0, b * kv_heads, heads):
+        hs = slice(h0, min(b * kv_heads, h0 + heads))
+        kh = to_float64(k[hs, 0], problem.dtype, xp)[:, None]  # (heads, 1, kv_len, D)
+        vh = to_float64(v[hs, 0], problem.dtype, xp)[:, None]
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            s = xp.matmul(q[hs, r0:r1], k[hs].transpose(0, 2, 1)) * scale
-            if causal:
-                later = xp.arange(n)[None, :] > xp.arange(r0, r1)[:, None]
-                s[:, later] = -np.inf
+            s = xp.matmul(to_float64(q[hs, :, r0:r1], problem.dtype, xp), kh.transpose(0, 1, 3, 2)) * scale
+            if cap is not None:
+                s = float(cap) * xp.tanh(s / float(cap))
+            lo, hi = key_bounds(problem, xp.arange(r0, r1), xp)
+            s[:, :, (keys < lo[:, None]) | (keys > hi[:, None])] = -np.inf
             m = s.max(axis=-1, keepdims=True)
-            p = xp.exp(s - m)
+            seen = xp.isfinite(m)
+            p = xp.exp(s - xp.where(seen, m, 0.0))
             total = p.sum(axis=-1, keepdims=True)
-            o[hs, r0:r1] = xp.matmul(p, v[hs]) / total
-            lse[hs, r0:r1] = (m + xp.log(total))[..., 0]
+            o[hs, :, r0:r1] = xp.matmul(p, vh) / xp.where(seen, total, 1.0)
+            lse[hs, :, r0:r1] = xp.where(seen, m + xp.log(xp.where(seen, total, 1.0)), -np.inf)[..., 0]
     return o.reshape(b, h, n, d), lse.reshape(b, h, n)
 
 

@@ -45,6 +45,9 @@ class AttentionColsumFamily(AttentionFamily):
     template = "attention_colsum/attention_colsum.cu.j2"
     template_folders = ("attention",)  # the attention kernel it extends
     outputs = ("o", "colsum", "lse")
+    strided_inputs = ()   # contiguous q, k, v: the key-major kernel takes no strides
+    head_dims = (32, 64, 128)
+    input_kinds = ("normal", "normal_x10", "equal")
     options = (
         ProblemOption("causal", "mask keys after the query (key j > query i)"),
         ProblemOption("split", "sum P over the queries from this position on, for the keys before it "
@@ -85,7 +88,7 @@ class AttentionColsumFamily(AttentionFamily):
 
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        q = self.check_shapes(shapes)
+        q = self.check_shapes(shapes)[0]
         split = int(options["split"])
         if not 0 < split < q[2]:  # also for empty inputs, which never reach a Problem
             raise ValueError(f"autosoft.{self.name}: split={split} is outside 0 < split < N={q[2]}")
@@ -130,6 +133,7 @@ class AttentionColsumFamily(AttentionFamily):
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**super().template_args(problem, values), "attention_kernel": "attention_fwd",
+                "single_length": True,
                 "zero_kernel": "colsum_zero", "key_major_kernel": "colsum_key_major"}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
@@ -190,6 +190,11 @@ class Family(abc.ABC):
     """Bytes each input array's address must be a multiple of; the call layer copies others
     (contiguous copies are 256-byte aligned). Outputs always share the first input's address
     modulo 16, so a family whose kernels take any element address says 1 (softmax)."""
+    strided_inputs: ClassVar[tuple[str, ...]] = ()
+    """Inputs taken as they are wherever their last dimension is contiguous (a copy otherwise):
+    the kernels get each one's other strides, in elements, as int64 run-time arguments named
+    "<input>_stride<i>" (i = 0 .. ndim - 2), which a Launch lists among its args. Every stride
+    and the address must be multiples of `input_alignment` bytes (else the call layer copies)."""
     dtypes: ClassVar[tuple[str, ...]] = DTYPES
     """The element types it takes (names from autosoft.dtypes.DTYPES)."""
     default_dtype: ClassVar[str] = "float32"
@@ -318,6 +323,17 @@ class Family(abc.ABC):
     def verification_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A smaller shape compiled to the same kernel, to verify a borrowed variant on."""
         return shape
+
+    def verification_problem(self, problem: Problem) -> Problem:
+        """A smaller problem compiled to the same kernel (its source is the problem's own), to
+        verify a borrowed variant on. Default: the problem at `verification_shape`, its options
+        kept; a family whose options follow the shape (attention's kv_heads) overrides this."""
+        return replace(problem, shape=self.verification_shape(problem.shape))
+
+    def input_shapes(self, problem: Problem) -> dict[str, tuple[int, ...]]:
+        """The shape of each input array of a problem, for the names in `strided_inputs` at least
+        (a caller that passes bare pointers gets their contiguous strides). Default: none."""
+        return {}
 
     # --- checking (on the GPU through CuPy: xp is the cupy module) ---------------------------
     @abc.abstractmethod

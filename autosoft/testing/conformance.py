@@ -172,8 +172,12 @@ def test_rendering_is_strict_and_deterministic(conformance_case: Case) -> None:
 def test_launches_agree_with_the_rendered_kernels(conformance_case: Case, arch: str) -> None:
     family = conformance_case.family
     target = Target.for_arch(arch)
-    buffers = set(family.inputs) | set(family.outputs)
+    assert set(family.strided_inputs) <= set(family.inputs), "strided_inputs names inputs"
     for problem in conformance_case.problems():
+        shapes = family.input_shapes(problem)
+        assert set(family.strided_inputs) <= set(shapes), "input_shapes gives every strided input's shape"
+        strides = {f"{name}_stride{i}" for name in family.strided_inputs for i in range(len(shapes[name]) - 1)}
+        buffers = set(family.inputs) | set(family.outputs) | strides
         for params in _sample(conformance_case, problem, target, 3, seed=len(problem.shape_text)):
             variant = build_variant(family, problem, params, target)
             written: set[str] = set()
@@ -197,9 +201,9 @@ def test_verification_shape_compiles_to_the_same_kernel(conformance_case: Case) 
     family = conformance_case.family
     target = Target.for_arch("90")
     for problem in conformance_case.problems():
-        small = family.check_shape(family.verification_shape(problem.shape))
+        smaller = family.verification_problem(problem)
+        family.check_shape(smaller.shape)
         params = family.default_params(problem, target)
-        smaller = Problem(problem.family, problem.dtype, small, problem.options)
         if family.is_valid(smaller, target, params):
             assert build_variant(family, smaller, params, target).source == \
                 build_variant(family, problem, params, target).source, f"{problem.shape_text}: another kernel"
