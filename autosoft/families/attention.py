@@ -199,6 +199,8 @@ class AttentionFamily(Family):
                 f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
             name += "_qreg"
+        if int(p.get("key_warps", 1)) > 1:
+            name += f"_kw{p['key_warps']}"
         if p.get("pack"):
             name += "_pack"
         if int(p.get("splits", 1)) > 1:
@@ -214,6 +216,7 @@ class AttentionFamily(Family):
         softcap = problem.option("softcap")
         return {**values, "dtype": problem.dtype, "mma_type": _MMA_TYPE[problem.dtype], "NQ": n, "NKV": kv_len,
                 "group": h // kv_heads, "pack": bool(values.get("pack", False)), "splits": int(values.get("splits", 1)),
+                "key_warps": int(values.get("key_warps", 1)),
                 "strided": bool(self.strided_inputs),
                 "window_left": -1 if window_left is None else int(window_left),
                 "window_right": -1 if window_right is None else int(window_right),
@@ -246,8 +249,9 @@ class AttentionFamily(Family):
         the GPU.
 
         Few rows per head (decoding: N * H / kv_heads <= 64 with the heads of a group packed):
-        one warp per 16 rows, the group's query heads packed into them, 64-key tiles four deep,
-        and the keys split among enough blocks to give every SM two."""
+        four warps per block that split every 64-key tile among them (their rows: the group's
+        query heads packed, 16 to 64 rows), three tiles in flight, and the keys split among enough
+        blocks to give every SM two."""
         b, h, n, d = problem.shape
         kv_heads, kv_len = _kv(problem)
         group = h // kv_heads
@@ -255,16 +259,16 @@ class AttentionFamily(Family):
         if self._splits and group * n <= 64:
             rows = group * n
             block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-            p: dict[str, ParamValue] = {"block_m": block_m, "block_n": 64, "warps": block_m // 16, "stages": 4,
-                                        "layout": "swizzle" if d != 96 else "pad", "q_in": "registers" if d <= 128 else "smem",
-                                        "pack": group > 1, "splits": 1}
+            p: dict[str, ParamValue] = {"block_m": block_m, "block_n": 64, "warps": 4,
+                                        "key_warps": 64 // block_m, "stages": 3, "layout": "swizzle" if d != 96 else "pad",
+                                        "q_in": "registers" if d <= 128 else "smem", "pack": group > 1, "splits": 1}
             blocks = kv_heads * b
             while self._splits and blocks * int(p["splits"]) < 2 * target.sm_count and int(p["splits"]) < SPLITS_MAX and \
-                    self.is_valid(problem, target, {**p, "splits": 2 * int(p["splits"])}):
+                    self._valid_point(problem, target, {**p, "splits": 2 * int(p["splits"])}):
                 p["splits"] = 2 * int(p["splits"])
             return self._first_valid(problem, target, p)
         p = {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "layout": "swizzle" if d != 96 else "pad",
-             "q_in": q_in, "pack": False, "splits": 1}
+             "q_in": q_in, "pack": False, "splits": 1, "key_warps": 1}
         if -(-n // 128) * b * h < target.sm_count:
             p.update(block_m=64)
         blocks = -(-n // int(p["block_m"])) * b * h
@@ -288,7 +292,9 @@ class AttentionFamily(Family):
             {"block_n": 32, "stages": 3},
         ) + (({"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
                {"splits": min(SPLITS_MAX, 4 * splits)}, {"block_n": 128, "stages": 2}, {"stages": 2},
-               {"pack": not base.get("pack", False)}) if self._splits else ())
+               {"pack": not base.get("pack", False)}, {"key_warps": 2}, {"key_warps": 1, "warps": 1},
+               {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 32, "key_warps": 2, "stages": 4})
+            if self._splits else ())
         return valid_neighbours(self, problem, target, base, changes)
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
@@ -308,14 +314,15 @@ class AttentionFamily(Family):
         # smaller key tiles, shallower pipeline, fewer splits, smaller query tile: the last step
         # is valid for any problem
         if not self._splits:
-            p = {name: value for name, value in p.items() if name not in ("pack", "splits")}
-        for block_m, warps in ((p["block_m"], p["warps"]), (64, 4), (16, 1)):
+            p = {name: value for name, value in p.items() if name not in ("pack", "splits", "key_warps")}
+        tiles = [(p["block_m"], p["warps"], p.get("key_warps", 1)), (64, 4, 1), (16, 1, 1)]
+        for block_m, warps, key_warps in tiles:
             for block_n in (p["block_n"], 64, 32):
                 for stages in (p["stages"], 2, 1):
                     for splits in (p.get("splits", 1), 1):
                         candidate = {**p, "block_m": block_m, "warps": warps, "block_n": block_n, "stages": stages}
                         if "splits" in p:
-                            candidate["splits"] = splits
+                            candidate.update(splits=splits, key_warps=key_warps)
                         if int(block_n) <= int(p["block_n"]) and int(stages) <= int(p["stages"]) \
                                 and self._valid_point(problem, target, candidate):
                             return candidate
