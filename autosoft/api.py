@@ -23,6 +23,7 @@ from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
 from .errors import UserError
 from .families import get_family
+from .families.attention import call_options
 
 if TYPE_CHECKING:
     import cupy
@@ -112,41 +113,61 @@ def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:
     return getattr(torch_ops, name)(x, dim)
 
 
+Window = tuple["int | None", "int | None"]
+
+
 @overload
 def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ...,
-              return_lse: Literal[False] = ...) -> Array: ...
+              return_lse: Literal[False] = ..., window: Window | None = ..., softcap: float | None = ...) -> Array: ...
 @overload
 def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ..., *,
-              return_lse: Literal[True]) -> tuple[Array, Array]: ...
+              return_lse: Literal[True], window: Window | None = ..., softcap: float | None = ...
+              ) -> tuple[Array, Array]: ...
 @overload
-def attention(q: Array, k: Array, v: Array, causal: bool, scale: float | None,
-              return_lse: Literal[True]) -> tuple[Array, Array]: ...
+def attention(q: Array, k: Array, v: Array, causal: bool, scale: float | None, return_lse: Literal[True],
+              window: Window | None = ..., softcap: float | None = ...) -> tuple[Array, Array]: ...
 @overload
 def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ...,
-              return_lse: bool = ...) -> Array | tuple[Array, Array]: ...
+              return_lse: bool = ..., window: Window | None = ..., softcap: float | None = ...
+              ) -> Array | tuple[Array, Array]: ...
 
 
 def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None,
-              return_lse: bool = False) -> Any:
-    """softmax(scale * q kᵀ [causal]) v for (B, H, N, D) q, k, v of one shape: CUDA torch tensors
-    (float16, bfloat16) or CuPy float16 arrays, D in 32, 64, 128. Returns o like q, or (o, lse)
-    with return_lse=True: lse (B, H, N) float32, the natural log-sum-exp of each query's scores.
-    scale defaults to 1/sqrt(D) and must be positive. Inputs that are not contiguous or 16-byte
-    aligned are copied first. It has no backward: torch tensors that require gradients while
-    autograd records raise RuntimeError (call it under torch.no_grad()). While torch.compile
-    traces, it is the operator torch.ops.autosoft.attention."""
+              return_lse: bool = False, window: Any = None, softcap: float | None = None) -> Any:
+    """softmax(s) v over the keys each query sees, s = scale * q kᵀ, for q (B, Hq, Nq, D) and k, v
+    (B, Hkv, Nkv, D): CUDA torch tensors (float16, bfloat16) or CuPy float16 arrays, D in 32, 64,
+    96, 128, 256; Hq a multiple of Hkv (grouped-query attention; Hkv = 1: multi-query), Nq and
+    Nkv independent. Returns o (B, Hq, Nq, D) like q, contiguous, or (o, lse) with
+    return_lse=True: lse (B, Hq, Nq) float32, the natural log-sum-exp of each query's scores.
+
+    Which keys query i sees: query i stands at key position i + Nkv - Nq (aligned bottom-right,
+    as FlashAttention >= 2.1: prefill with a KV cache, decoding). causal=True hides the keys after
+    that position; note that torch's scaled_dot_product_attention(is_causal=True) aligns top-left
+    instead, which differs when Nq != Nkv. window=(left, right) keeps only the keys from `left`
+    before to `right` after that position (either may be None: no limit on that side; with
+    causal, right is 0). softcap=c turns every score s into c * tanh(s / c) before the softmax
+    (Gemma 2). A query that sees no key gets o = 0 and lse = -inf.
+
+    scale defaults to 1/sqrt(D) and must be positive. Arrays whose last dimension is contiguous
+    are taken as they are, whatever their other strides (e.g. q, k, v of a fused QKV projection
+    seen as (B, N, H, D) and transposed to (B, H, N, D)): their strides go to the kernel, no copy.
+    Others, and addresses or strides that are not multiples of 16 bytes, are copied first. It
+    has no backward: torch tensors that require gradients while autograd records raise
+    RuntimeError (call it under torch.no_grad()). While torch.compile traces, it is the operator
+    torch.ops.autosoft.attention."""
     refuse_gradients("attention", q, k, v)
     head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if not scale > 0:  # the kernel tracks the running max of the unscaled scores
         raise ValueError(f"autosoft.attention: scale must be positive, got {scale}")
+    options = call_options(causal, window, softcap)
     if _compiling(q):  # torch.compile sees one operator (autosoft.torch_ops), not the plan's Python
         from . import torch_ops
 
-        o, lse = torch_ops.attention(q, k, v, bool(causal), scale)
+        o, lse = torch_ops.attention(q, k, v, bool(causal), scale, options.get("window_left"),
+                                     options.get("window_right"), options.get("softcap"))
     else:
-        o, lse = call_family("attention", (q, k, v), options={"causal": bool(causal)},
-                             scalars={"scale": np.float32(scale)})
+        o, lse = call_family("attention", (q, k, v), options=options, scalars={"scale": np.float32(scale)})
     return (o, lse) if return_lse else o
 
 

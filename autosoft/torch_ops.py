@@ -3,7 +3,7 @@
     import autosoft.torch_ops                     # registers the operators (imports torch)
     y = torch.ops.autosoft.softmax(x, -1)         # and log_softmax(x, dim)
     dx = torch.ops.autosoft.softmax_backward(y, dy, -1, False)   # log=True: the log-softmax's
-    o, lse = torch.ops.autosoft.attention(q, k, v, causal, scale)
+    o, lse = torch.ops.autosoft.attention(q, k, v, causal, scale, window_left, window_right, softcap)
     o, colsum, lse = torch.ops.autosoft.attention_colsum(q, k, v, split, causal, scale, deterministic)
 
 Called as plain Python, autosoft is something torch.compile cannot see into and autograd cannot
@@ -62,6 +62,7 @@ from .autograd import no_backward_error
 from .dispatch import DISPATCHER
 from .dtypes import TORCH_NAMES
 from .families import get_family
+from .families.attention import call_options
 from .families.base import OptionValue
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ _SCHEMAS = {
     "softmax": "(Tensor x, int dim) -> Tensor",
     "log_softmax": "(Tensor x, int dim) -> Tensor",
     "softmax_backward": "(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
-    "attention": "(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor o, Tensor lse)",
+    "attention": "(Tensor q, Tensor k, Tensor v, bool causal, float scale, int? window_left=None, "
+                 "int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
     "attention_colsum": "(Tensor q, Tensor k, Tensor v, int split, bool causal, float scale, bool deterministic) "
                         "-> (Tensor o, Tensor colsum, Tensor lse)",
 }
@@ -294,12 +296,20 @@ def _last_dim(who: str, x: Any, dim: int) -> int:
     return dim % ndim
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               window_left: int | None = None, window_right: int | None = None,
+               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_scale("attention", scale)
-    o, lse = call_family("attention", (q, k, v), options={"causal": bool(causal)},
+    o, lse = call_family("attention", (q, k, v), options=_attention_options(causal, window_left, window_right, softcap),
                          scalars={"scale": np.float32(scale)})
     return o, lse
+
+
+def _attention_options(causal: bool, window_left: int | None, window_right: int | None,
+                       softcap: float | None) -> dict[str, OptionValue]:
+    """As autosoft.attention builds them (with its errors)."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return call_options(causal, window, softcap)
 
 
 def _attention_colsum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int, causal: bool, scale: float,
@@ -344,10 +354,11 @@ def _fake_softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: boo
     return moved.movedim(-1, last)
 
 
-def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    window_left: int | None = None, window_right: int | None = None,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_scale("attention", scale)
-    o, lse = _fake_outputs("attention", (q, k, v), {"causal": bool(causal)})
+    o, lse = _fake_outputs("attention", (q, k, v), _attention_options(causal, window_left, window_right, softcap))
     return o, lse
 
 

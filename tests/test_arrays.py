@@ -66,16 +66,21 @@ def test_softmax_problem_flattens_leading_dimensions():
         SOFTMAX.problem_for({"x": (1, 2**31)}, "float32", {})
 
 
-def test_attention_problem_needs_one_shape_and_carries_causal():
+def test_attention_problem_follows_the_shapes_and_carries_causal():
     shapes = {"q": (1, 2, 77, 64), "k": (1, 2, 77, 64), "v": (1, 2, 77, 64)}
     problem = ATTENTION.problem_for(shapes, "bfloat16", {"causal": True})
     assert problem.shape == (1, 2, 77, 64) and problem.flags == ("causal",)
-    assert ATTENTION.problem_for(shapes, "bfloat16", {"causal": False}).options == ()
+    assert ATTENTION.problem_for(shapes, "bfloat16", {"causal": False}).options == ()  # kv_heads = H, kv_len = N: dropped
     assert ATTENTION.caller_outputs(shapes, "float16", {}) == {"o": ((1, 2, 77, 64), "float16"),
                                                            "lse": ((1, 2, 77), "float32")}
-    with pytest.raises(ValueError, match="one shape"):
+    grouped = ATTENTION.problem_for({"q": (1, 8, 5, 64), "k": (1, 2, 300, 64), "v": (1, 2, 300, 64)}, "float16", {})
+    assert grouped.shape == (1, 8, 5, 64) and grouped.options == (("kv_heads", 2), ("kv_len", 300))
+    assert grouped.shape_text == "1x8x5x64+kv_heads=2+kv_len=300"
+    with pytest.raises(ValueError, match="one shape"):  # k and v differ
         ATTENTION.problem_for({**shapes, "k": (1, 2, 78, 64)}, "float16", {})
-    with pytest.raises(ValueError, match="one shape"):  # empty inputs get no Problem, but the same check
+    with pytest.raises(ValueError, match="multiple"):
+        ATTENTION.problem_for({"q": (1, 3, 5, 64), "k": (1, 2, 5, 64), "v": (1, 2, 5, 64)}, "float16", {})
+    with pytest.raises(ValueError, match="batch"):  # empty inputs get no Problem, but the same check
         ATTENTION.caller_outputs({**shapes, "q": (0, 2, 77, 64)}, "float16", {})
     with pytest.raises(ValueError, match="head dim"):
         ATTENTION.problem_for({n: (1, 2, 77, 48) for n in shapes}, "float16", {})

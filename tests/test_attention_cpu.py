@@ -12,7 +12,8 @@ import pytest
 
 from autosoft.errors import UserError
 from autosoft.families import get_family
-from autosoft.families.attention import reference
+from autosoft.compile import compile_source
+from autosoft.families.attention import call_options, key_bounds, reference, visible_pairs
 from autosoft.families.base import Target, build_variant, space_of
 
 FAMILY = get_family("attention")
@@ -257,3 +258,107 @@ def test_checker_catches_nan_wrong_rows_and_wrong_lse():
     out = outputs()
     out["lse"][0, 0, 7] += 0.01
     assert "lse" in FAMILY.check(problem, inputs, out, np)
+
+
+# --- grouped heads, other key lengths, windows, softcap (issue 17) -----------------------
+
+
+def test_kv_options_equal_to_the_query_shape_are_dropped_and_others_checked():
+    assert FAMILY.problem("1,8,64,64", "float16", {"kv_heads": 8, "kv_len": 64}).options == ()
+    assert FAMILY.problem("1,8,1,64", "float16", {"kv_heads": 2, "kv_len": 4096}).shape_text == \
+        "1x8x1x64+kv_heads=2+kv_len=4096"
+    with pytest.raises(UserError, match="multiple of the KV heads"):
+        FAMILY.problem("1,8,1,64", "float16", {"kv_heads": 3})
+    with pytest.raises(UserError, match="--window-left -1"):
+        FAMILY.problem("1,8,1,64", "float16", {"window_left": -1})
+    with pytest.raises(UserError, match="--softcap"):
+        FAMILY.problem("1,8,1,64", "float16", {"softcap": 0.0})
+
+
+def test_key_bounds_align_bottom_right_and_apply_windows():
+    # 3 queries over 5 keys: query i stands at key i + 2
+    p = FAMILY.problem("1,1,3,64", "float16", {"kv_len": 5, "causal": True})
+    lo, hi = key_bounds(p, np.arange(3))
+    assert lo.tolist() == [0, 0, 0] and hi.tolist() == [2, 3, 4]
+    w = FAMILY.problem("1,1,3,64", "float16", {"kv_len": 5, "window_left": 1, "window_right": 1})
+    lo, hi = key_bounds(w, np.arange(3))
+    assert lo.tolist() == [1, 2, 3] and hi.tolist() == [3, 4, 4]
+    # more queries than keys, causal: the first queries see nothing
+    e = FAMILY.problem("1,1,5,64", "float16", {"kv_len": 2, "causal": True})
+    lo, hi = key_bounds(e, np.arange(5))
+    assert (hi - lo + 1).clip(0).tolist() == [0, 0, 0, 1, 2]
+
+
+def test_flops_count_the_visible_pairs_with_the_causal_edge_as_half():
+    square = FAMILY.problem("1,1,100,64", "float16", ("causal",))
+    assert visible_pairs(square) == 100 * 100 / 2
+    cache = FAMILY.problem("1,1,10,64", "float16", {"kv_len": 1000, "causal": True})
+    assert visible_pairs(cache) == 10 * 990 + 10 * 10 / 2
+    window = FAMILY.problem("1,1,1000,64", "float16", {"window_left": 9, "window_right": 0})
+    assert visible_pairs(window) == sum(min(i, 9) + 1 for i in range(1000))
+    assert FAMILY.flops(FAMILY.problem("2,4,1,64", "float16", {"kv_heads": 1, "kv_len": 77})) == 4 * 2 * 4 * 64 * 77
+
+
+def test_bytes_moved_count_k_and_v_once_per_kv_head():
+    p = FAMILY.problem("2,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 4096})
+    assert FAMILY.bytes_moved(p) == 2 * 128 * (2 * 2 * 32 * 1 + 2 * 2 * 8 * 4096) + 4 * 2 * 32
+
+
+def test_the_verification_problem_keeps_the_group_and_the_kernel():
+    target = Target.for_arch("90")
+    p = FAMILY.problem("4,32,7,128", "bfloat16", {"kv_heads": 8, "kv_len": 3333, "causal": True})
+    small = FAMILY.verification_problem(p)
+    assert small.shape == (1, 4, 7, 128) and dict(small.options)["kv_heads"] == 1
+    params = FAMILY.default_params(p, target)
+    assert build_variant(FAMILY, small, params, target).source == build_variant(FAMILY, p, params, target).source
+
+
+def test_problems_of_other_groups_or_masks_never_borrow_each_others_kernels():
+    a = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 4096})
+    b = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 8192})
+    c = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 4, "kv_len": 4096})
+    d = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 4096, "softcap": 30.0})
+    assert FAMILY.problem_distance(a, b) == 4.0  # one log2 step of kv_len, weighing as N does
+    assert FAMILY.problem_distance(a, c) == FAMILY.problem_distance(a, d) == float("inf")
+
+
+def test_decode_defaults_pack_the_group_and_split_the_keys():
+    target = Target.for_arch("90")
+    p = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 32768})
+    d = FAMILY.default_params(p, target)
+    assert d["pack"] is True and d["block_m"] == 16 and d["key_warps"] == 4 and d["splits"] > 1
+    v = build_variant(FAMILY, p, d, target)
+    (launch,) = v.launches
+    assert launch.grid == (d["splits"], 8, 1) and launch.args[-1] == "workspace" and v.workspace_bytes > 0
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((False, (1, 2, 3), None), TypeError, "pair"),
+    ((False, (True, None), None), TypeError, "ints >= 0"),
+    ((False, (-1, None), None), ValueError, ">= 0"),
+    ((False, None, float("inf")), ValueError, "positive and finite"),
+    ((False, None, "30"), TypeError, "number"),
+])
+def test_call_options_refuse_bad_windows_and_caps(args, error, message):
+    with pytest.raises(error, match=message):
+        call_options(*args)
+
+
+def test_call_options_keep_only_what_is_given():
+    assert call_options(True, None, None) == {"causal": True}
+    assert call_options(False, (None, 4), 50) == {"causal": False, "window_right": 4, "softcap": 50.0}
+
+
+@pytest.mark.parametrize("shape, dtype, options", [
+    ("1,32,1,96", "float16", {"kv_heads": 8, "kv_len": 1000}),
+    ("1,4,300,256", "bfloat16", {"kv_heads": 1, "kv_len": 7, "causal": True}),
+    ("2,4,64,64", "float16", {"window_left": 10, "window_right": 3, "softcap": 30.0}),
+])
+def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
+    problem = FAMILY.problem(shape, dtype, options)
+    for arch in ("80", "90"):
+        target = Target.for_arch(arch)
+        for params in [FAMILY.default_params(problem, target)] + FAMILY.seed_params(problem, target)[:2]:
+            v = build_variant(FAMILY, problem, params, target)
+            result = compile_source(v.source, arch, v.name + ".cu")
+            assert result.ok, f"{v.name}: {result.log[:2000]}"

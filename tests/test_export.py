@@ -242,7 +242,10 @@ def test_the_header_and_the_host_launcher_say_how_each_kernel_is_launched(case):
     else:
         assert prototype == ("cudaError_t autosoft_launch(const unsigned short* q, const unsigned short* k, "
                              "const unsigned short* v, unsigned short* o, float* lse, float scale, "
-                             "cudaStream_t stream)"), "16-bit values as their bits; the scale is a parameter"
+                             "long long q_stride0, long long q_stride1, long long q_stride2, "
+                             "long long k_stride0, long long k_stride1, long long k_stride2, "
+                             "long long v_stride0, long long v_stride1, long long v_stride2, "
+                             "cudaStream_t stream)"), "16-bit values as their bits; the scale and strides are parameters"
     assert compile_source(text, "90").ok, "NVRTC compiles the file: the launcher hides behind its macro"
 
 

@@ -47,8 +47,8 @@ def test_the_operators_are_registered_with_their_schemas():
         "softmax": "autosoft::softmax(Tensor x, int dim) -> Tensor",
         "log_softmax": "autosoft::log_softmax(Tensor x, int dim) -> Tensor",
         "softmax_backward": "autosoft::softmax_backward(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
-        "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) "
-                     "-> (Tensor o, Tensor lse)",
+        "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
+                     "int? window_left=None, int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
         "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
                             "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)"}
     for name in torch_ops.OPS:  # tagged as safe for torch.compile; none mutates its inputs
@@ -112,6 +112,16 @@ def test_fake_attention_gives_o_like_q_and_float32_lse(dtype):
     assert (lse.shape, lse.dtype, lse.device.type) == ((2, 3, 77), F32, "cuda")
 
 
+@pytest.mark.parametrize("q_shape, kv_shape", [((2, 8, 5, 64), (2, 2, 77, 64)), ((1, 32, 1, 128), (1, 1, 4096, 128)),
+                                                ((1, 4, 300, 96), (1, 4, 7, 96)), ((3, 2, 9, 256), (3, 2, 9, 256))])
+def test_fake_attention_takes_grouped_heads_and_other_key_lengths(q_shape, kv_shape):
+    with FakeTensorMode():
+        o, lse = ops.attention(fake_cuda(*q_shape, dtype=BF16), fake_cuda(*kv_shape, dtype=BF16),
+                               fake_cuda(*kv_shape, dtype=BF16), True, 0.1, 16, None, 30.0)
+    assert (o.shape, o.dtype, o.is_contiguous()) == (q_shape, BF16, True)
+    assert (lse.shape, lse.dtype) == (q_shape[:3], F32)
+
+
 @pytest.mark.parametrize("split", [1, 40, 76])
 def test_fake_attention_colsum_gives_o_colsum_and_lse(split):
     with FakeTensorMode():
@@ -138,11 +148,19 @@ def test_meta_tensors_are_accepted_for_shape_inference():
 
 BAD_CALLS = [
     # (what is wrong, call on fake tensors made by `t`, error, message)
-    ("q, k, v of two shapes", lambda t: ops.attention(t(1, 2, 16, 64), t(1, 2, 16, 64), t(1, 2, 8, 64), False, 0.1),
-     ValueError, r"autosoft\.attention: q, k, v must be \(B, H, N, D\) arrays of one shape, got \(1, 2, 16, 64\), "
-                 r"\(1, 2, 16, 64\), \(1, 2, 8, 64\)"),
+    ("k and v of two shapes", lambda t: ops.attention(t(1, 2, 16, 64), t(1, 2, 16, 64), t(1, 2, 8, 64), False, 0.1),
+     ValueError, r"autosoft\.attention: q must be \(B, H, N, D\) and k, v \(B, Hkv, Nkv, D\) of one shape, got "
+                 r"\(1, 2, 16, 64\), \(1, 2, 16, 64\), \(1, 2, 8, 64\)"),
     ("3-d q", lambda t: ops.attention(t(2, 16, 64), t(2, 16, 64), t(2, 16, 64), False, 0.1),
-     ValueError, r"autosoft\.attention: q, k, v must be \(B, H, N, D\)"),
+     ValueError, r"autosoft\.attention: q must be \(B, H, N, D\)"),
+    ("heads not a multiple", lambda t: ops.attention(t(1, 6, 16, 64), t(1, 4, 16, 64), t(1, 4, 16, 64), False, 0.1),
+     ValueError, r"autosoft\.attention: q's 6 heads must be a multiple of k's and v's 4"),
+    ("batches differ", lambda t: ops.attention(t(2, 4, 16, 64), t(1, 4, 16, 64), t(1, 4, 16, 64), False, 0.1),
+     ValueError, r"must share the batch \(first\) and head dim \(last\)"),
+    ("negative window", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, True, 0.1, -1),
+     ValueError, r"autosoft\.attention: window sides must be >= 0"),
+    ("softcap 0", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, True, 0.1, None, None, 0.0),
+     ValueError, r"autosoft\.attention: softcap must be positive and finite, got 0\.0"),
     ("head dim 48", lambda t: ops.attention(t(1, 2, 16, 48), t(1, 2, 16, 48), t(1, 2, 16, 48), True, 0.1),
      ValueError, r"autosoft\.attention: shape '1x2x16x48': head dim D=48 is not supported"),
     ("dtypes differ", lambda t: ops.attention(t(1, 2, 16, 64), t(1, 2, 16, 64, dtype=BF16), t(1, 2, 16, 64), True, 0.1),
@@ -501,8 +519,8 @@ def test_aot_autograd_keeps_each_operator_as_one_node():
 
 
 TRACED_BAD_CALLS = [
-    ("q, k, v of two shapes", lambda q, k, v: ops.attention(q, k, v, False, 0.1), [(1, 2, 16, 64)] * 2 + [(1, 2, 8, 64)],
-     r"got ValueError\('autosoft\.attention: q, k, v must be \(B, H, N, D\) arrays of one shape"),
+    ("k and v of two shapes", lambda q, k, v: ops.attention(q, k, v, False, 0.1), [(1, 2, 16, 64)] * 2 + [(1, 2, 8, 64)],
+     r"got ValueError\('autosoft\.attention: q must be \(B, H, N, D\) and k, v \(B, Hkv, Nkv, D\) of one shape"),
     ("split = N", lambda q, k, v: ops.attention_colsum(q, k, v, 16, True, 0.1, False), [(1, 2, 16, 64)] * 3,
      r"got ValueError\('autosoft\.attention_colsum: split=16 is outside 0 < split < N=16"),
     ("head dim 48", lambda q, k, v: ops.attention(q, k, v, True, 0.1), [(1, 2, 16, 48)] * 3,

@@ -337,14 +337,16 @@ class AttentionFamily(Family):
         return sum(abs(math.log2(x) - math.log2(y)) * w for x, y, w in zip(a[:3], b[:3], (1, 1, 4)))
 
     def problem_distance(self, a: Problem, b: Problem) -> float:
-        """The shapes' distance plus log2 steps between key lengths (weighing as N does), for
+        """The shapes' distance plus log2 steps between keys per query (kv_len / N, weighing as N does), for
         problems of one mask, cap and group size (query heads per KV head); else never."""
         ka, kb = _kv(a), _kv(b)
         same = {n: v for n, v in a.options if n not in ("kv_heads", "kv_len")} == \
             {n: v for n, v in b.options if n not in ("kv_heads", "kv_len")}
         if not same or a.shape[1] // ka[0] != b.shape[1] // kb[0]:
             return math.inf
-        return self.shape_distance(a.shape, b.shape) + 4 * abs(math.log2(ka[1]) - math.log2(kb[1]))
+        # the keys per query: a kv_len equal to N adds nothing to N's own distance
+        return self.shape_distance(a.shape, b.shape) + \
+            4 * abs(math.log2(ka[1] / a.shape[2]) - math.log2(kb[1] / b.shape[2]))
 
     def verification_problem(self, problem: Problem) -> Problem:
         """One batch and up to two KV heads' worth of query heads, the same lengths: the same
@@ -433,6 +435,32 @@ class AttentionFamily(Family):
             return (f"{int(bad.sum())} lse values off; worst lse[{b}, {h}, {i}]: got {float(lse[b, h, i])!r}, "
                     f"expected {float(ref_lse[b, h, i])!r}")
         return None
+
+
+def call_options(causal: Any, window: Any, softcap: Any, who: str = "autosoft.attention") -> dict[str, OptionValue]:
+    """The problem options of a call autosoft.attention(..., causal, window, softcap): causal,
+    and window_left, window_right, softcap where given. window is None or a pair of key counts
+    (int >= 0, or None for no limit on that side); softcap None or a positive number. TypeError
+    or ValueError, naming the argument, otherwise."""
+    options: dict[str, OptionValue] = {"causal": bool(causal)}
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"{who}: window must be a pair (left, right) of key counts or None, got {window!r}")
+        for side, value in zip(("window_left", "window_right"), window):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{who}: window sides must be ints >= 0 or None, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{who}: window sides must be >= 0 (keys before and after the query), got {value}")
+            options[side] = int(value)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{who}: softcap must be a number or None, got {softcap!r}")
+        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+            raise ValueError(f"{who}: softcap must be positive and finite, got {softcap}")
+        options["softcap"] = float(softcap)
+    return options
 
 
 def _kv(problem: Problem) -> tuple[int, int]:
