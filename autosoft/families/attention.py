@@ -292,8 +292,9 @@ class AttentionFamily(Family):
             {"block_n": 32, "stages": 3},
         ) + (({"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
                {"splits": min(SPLITS_MAX, 4 * splits)}, {"block_n": 128, "stages": 2}, {"stages": 2},
-               {"pack": not base.get("pack", False)}, {"key_warps": 2}, {"key_warps": 1, "warps": 1},
-               {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 32, "key_warps": 2, "stages": 4})
+               {"pack": not base.get("pack", False)}, {"key_warps": 2, "warps": 2}, {"key_warps": 1, "warps": 1},
+               {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 128, "stages": 3, "key_warps": 4},
+               {"block_n": 32, "key_warps": 2, "warps": 2, "stages": 2}, {"key_warps": 2, "warps": 2, "stages": 1})
             if self._splits else ())
         return valid_neighbours(self, problem, target, base, changes)
 
