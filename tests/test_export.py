@@ -347,14 +347,23 @@ def test_the_host_launcher_computes_the_right_thing_on_the_gpu(tmp_path, case):
         buffers = {"q": q.nbytes, "k": k.nbytes, "v": v.nbytes, "o": q.nbytes, "lse": b * h * n * 4}
     for name, nbytes in buffers.items():
         uploads.append(f'  Buffer {name} = upload("{name}.bin", {nbytes});')
-        args.append(name)
     if variant.workspace_bytes:
         uploads.append(f'  Buffer workspace = upload("zeros.bin", {variant.workspace_bytes});')
         (tmp_path / "zeros.bin").write_bytes(bytes(variant.workspace_bytes))
-        args.append("workspace")
-    if family is ATTENTION:
-        args.append(f"{float(scale)!r}f")
-    args.append("0")
+    # the arguments in the prototype's order: buffers, the scale, strides (contiguous), workspace, stream
+    for param in prototype[prototype.index("(") + 1:-1].split(", "):
+        name = param.split()[-1].lstrip("*")
+        stride = re.fullmatch(r"([qkv])_stride(\d)", name)
+        if name in buffers or name == "workspace":
+            args.append(name)
+        elif name == "scale":
+            args.append(f"{float(scale)!r}f")
+        elif stride:
+            shape = variant.problem.shape
+            args.append(f"{int(np.prod(shape[int(stride.group(2)) + 1:]))}LL")
+        else:
+            assert name == "stream", f"unexpected parameter {param!r}"
+            args.append("0")
     for name in expect:
         downloads.append(f'  download({name}, "{name}.out", {buffers[name]});')
     driver = (_DRIVER.replace("PROTOTYPE", prototype).replace("UPLOADS", "\n".join(uploads))
