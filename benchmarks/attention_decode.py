@@ -167,9 +167,10 @@ def main() -> int:
     picked = DECODE + PREFILL
     if args.rows:
         picked = [picked[int(i)] for i in args.rows.split(",")]
+    # every row's variant first (tuning runs in worker processes): nothing else on the GPU while timing
+    variants = [(None, "") if args.sdpa_only else autosoft_variant(row, cache, args.trials, args.seed) for row in picked]
     rows = []
-    for row in picked:
-        loaded, source = (None, "") if args.sdpa_only else autosoft_variant(row, cache, args.trials, args.seed)
+    for row, (loaded, source) in zip(picked, variants):
         rows.append(bench_row(torch, row, args.reps, device.target.l2_bytes, loaded, source))
         print_row(rows[-1])
     result = {"gpu": device.name, "torch": torch.__version__, "commit": commit(), "rows": rows}
