@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numbers
 import sys
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-from typing import Any, Callable, Mapping, Sequence
 
 from .dispatch import DISPATCHER
 from .dtypes import CUPY_NAMES, TORCH_NAMES
