@@ -113,7 +113,8 @@ def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:
     return getattr(torch_ops, name)(x, dim)
 
 
-Window = tuple["int | None", "int | None"]
+Window = tuple[int | None, int | None]
+"""attention's window: (left, right), the keys before and after each query's position it sees; None: no limit."""
 
 
 @overload
@@ -144,9 +145,12 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     as FlashAttention >= 2.1: prefill with a KV cache, decoding). causal=True hides the keys after
     that position; note that torch's scaled_dot_product_attention(is_causal=True) aligns top-left
     instead, which differs when Nq != Nkv. window=(left, right) keeps only the keys from `left`
-    before to `right` after that position (either may be None: no limit on that side; with
-    causal, right is 0). softcap=c turns every score s into c * tanh(s / c) before the softmax
-    (Gemma 2). A query that sees no key gets o = 0 and lse = -inf.
+    before to `right` after that position, both included (ints >= 0; either may be None: no limit
+    on that side; causal=True caps right at 0). softcap=c (positive, finite) turns every score s
+    into c * tanh(s / c) before the softmax (Gemma 2). A query that sees no key (with Nq > Nkv,
+    the first queries under causal or a right limit) gets o = 0 and lse = -inf, never NaN. A
+    window that is not None or such a pair (bool is no int), or a softcap that is not None or such
+    a number, raises TypeError or ValueError naming it, before any kernel or device is touched.
 
     scale defaults to 1/sqrt(D) and must be positive. Arrays whose last dimension is contiguous
     are taken as they are, whatever their other strides (e.g. q, k, v of a fused QKV projection

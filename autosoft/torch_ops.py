@@ -4,6 +4,7 @@
     y = torch.ops.autosoft.softmax(x, -1)         # and log_softmax(x, dim)
     dx = torch.ops.autosoft.softmax_backward(y, dy, -1, False)   # log=True: the log-softmax's
     o, lse = torch.ops.autosoft.attention(q, k, v, causal, scale, window_left, window_right, softcap)
+                                                  # the last three optional (None: no limit, no cap)
     o, colsum, lse = torch.ops.autosoft.attention_colsum(q, k, v, split, causal, scale, deterministic)
 
 Called as plain Python, autosoft is something torch.compile cannot see into and autograd cannot
@@ -17,10 +18,11 @@ pt2_compliant_tag; none mutates its inputs), each with
   the last dim take call_family's cached plan under call_family's own key, nothing else checked
   (the schema already made x a tensor and dim an int; a first call goes through call_family);
 - a fake implementation (`torch.library.register_fake`, also the Meta kernel) that checks what
-  can be checked without data (device, dtypes, shapes, dim, 0 < split < N, scale > 0) with the
-  errors of the real path, and returns empty tensors laid out as the real outputs are
-  (contiguous; along a dim other than the last, the moved layout's view), which torch.compile
-  traces with;
+  can be checked without data (device, dtypes, shapes, dim, 0 < split < N, scale > 0, window
+  sides >= 0, softcap > 0) with the errors of the real path, and returns empty tensors laid out
+  as the real outputs are (contiguous; along a dim other than the last, the moved layout's view;
+  attention's o and lse shaped by q, whatever k's and v's head count and length), which
+  torch.compile traces with;
 - an Autograd kernel of its own (`_autograd_kernel`, for every autograd key): softmax and
   log_softmax, with grad mode on and an input that requires gradients, run an autograd.Function
   that saves the output and differentiates through the softmax_backward operator (the tuned
@@ -307,7 +309,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 def _attention_options(causal: bool, window_left: int | None, window_right: int | None,
                        softcap: float | None) -> dict[str, OptionValue]:
-    """As autosoft.attention builds them (with its errors)."""
+    """The options autosoft.attention passes for the same arguments (with its errors: the schema
+    already made the window sides ints and softcap a float, so only the ValueErrors remain)."""
     window = None if window_left is None and window_right is None else (window_left, window_right)
     return call_options(causal, window, softcap)
 

@@ -1,35 +1,55 @@
 """Issue 17's rows: autosoft against torch SDPA on grouped-KV decode and prefill.
 
-    python benchmarks/attention_decode.py --trials 24 --cache attention_decode.sqlite --out attention_decode.json
+    python benchmarks/attention_decode.py --out attention_decode.json                    # untuned default
+    python benchmarks/attention_decode.py --tune 24 --cache decode.sqlite --rows 0,1,2,3,4,5 --out decode.json
+    python benchmarks/attention_decode.py --tune 12 --cache prefill.sqlite --rows 6,7,8,9 --out prefill.json
 
 Decode rows: bf16, Hq = 32, Hkv = 8, D = 128, one query per sequence, against B x Nkv of the
 issue's table; prefill rows: grouped KV heads (causal), prefill with a cache (Nq < Nkv, causal
-aligned bottom-right, through torch's `causal_lower_right` mask) and head dim 256. Every row times
-autosoft's attention (the variant tuned into --cache with --trials trials, found there, or with
---trials 0 the untuned default; its output checked against SDPA's on the first input set), SDPA's
-default backend and each forced backend with `enable_gqa=True` (a backend that refuses the call
-says why), SDPA on k and v expanded to Hq heads beforehand (the expansion not timed), and, for
-decode, a device copy moving as many bytes as K and V (half each way), the bound a read-mostly
-kernel is compared with. Ratios are SDPA's time over autosoft's (above 1: autosoft is faster).
+aligned bottom-right) and head dim 256.
+
+Every row times the public function `autosoft.attention(q, k, v, causal=...)` on (B, Hq, Nq, D)
+and (B, Hkv, Nkv, D) torch tensors, as a user calls it (its output allocated per call, every kernel
+it launches counted), beside SDPA's default backend and each forced backend with
+`enable_gqa=True` (a backend that refuses the call says why), SDPA on k and v expanded to Hq heads
+beforehand (the expansion not timed), and, for decode, a device copy moving as many bytes as K
+and V (half each way), the bound a read-mostly kernel is compared with. Causal with Nq != Nkv is
+aligned bottom-right for SDPA through torch's `causal_lower_right` mask (its `is_causal` aligns
+top-left); with Nq = Nkv, `is_causal`. Ratios are SDPA's time over autosoft's (above 1: autosoft
+is faster). autosoft's output is checked against SDPA's default on the first input set before it
+is timed (relative error and max abs difference printed; a relative error above 2e-2 stops the
+run).
+
+Which variant autosoft runs: `--tune TRIALS` (default 0) first tunes every row's problem into
+`--cache` (default attention_decode.sqlite) with that many trials, skipping problems the cache
+already holds, all rows before any timing (no tuning worker shares the GPU with a timing); the
+cache is then loaded with `autosoft.load_cache`, so the public function runs the tuned variant.
+With `--tune 0` an existing `--cache` is loaded without tuning, and without `--cache` every row
+runs the heuristic default. The user's own cache ($AUTOSOFT_CACHE_DIR, ~/.cache/autosoft) is not
+read (a temporary one stands in for it), so only --cache decides. Each row records the variant
+and where it came from ("tuned": the cache's entry for this exact problem; "default"; "nearest
+...": an entry of another problem, verified on this one).
 
 Timed as every benchmark here (autosoft.timing.time_gpu): CUDA events, a spin-blocked queue,
 warm-up, the median of --reps launches, fresh random inputs rotated so that no launch reads them
-from the L2; autosoft's kernels are launched on the same tensors.
+from the L2; autosoft and SDPA on the same tensors. The commit is recorded (benchmarks/provenance.py).
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosoft.cache import Cache  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
-from autosoft.families.base import build_variant  # noqa: E402
-from autosoft.kernel_store import default_store  # noqa: E402
-from autosoft.runtime import LoadedVariant, device_info  # noqa: E402
+from autosoft.runtime import device_info  # noqa: E402
 from autosoft.timing import rotation_count, time_copy, time_gpu  # noqa: E402
 
 from provenance import commit  # noqa: E402
@@ -41,29 +61,46 @@ PREFILL = [(1, 32, 8, 4096, 4096, 128, True), (2, 32, 4, 8192, 8192, 128, True),
            (4, 16, 16, 4096, 4096, 256, True)]
 BACKENDS = ("default", "flash", "cudnn", "efficient")
 FAMILY = get_family("attention")
+DEFAULT_CACHE = Path("attention_decode.sqlite")
+MAX_REL_ERROR = 2e-2
 
 
 def problem_of(row: tuple):
+    """The problem autosoft.attention forms for the row's call (and the one tuned for it)."""
     b, hq, hkv, nq, nkv, d, causal = row
     return FAMILY.problem(f"{b},{hq},{nq},{d}", "bfloat16", {"kv_heads": hkv, "kv_len": nkv, "causal": causal})
 
 
-def autosoft_variant(row: tuple, cache: Cache | None, trials: int, seed: int) -> tuple[LoadedVariant, str]:
-    """The variant tuned for the row's problem (tuned into the cache first when it has none), or the default."""
-    problem = problem_of(row)
-    if cache is not None and trials > 0:
-        from autosoft.runners import GpuRunner
-        from autosoft.tune import tuned_kernel
+def tune_rows(rows: list[tuple], cache: Cache, trials: int, seed: int) -> dict[tuple, str]:
+    """Tune each row's problem into the cache (problems it already holds are skipped), one GPU
+    worker for all of them, closed before anything is timed; row -> "tuned now" or "cached"."""
+    from autosoft.runners import GpuRunner
+    from autosoft.tune import tuned_kernel
 
-        runner = GpuRunner()
-        try:
-            loaded, tuned_now = tuned_kernel(FAMILY, problem, cache, trials, runner=runner, seed=seed)
-        finally:
-            runner.close()
-        return loaded, "tuned" if tuned_now else "cached"
-    target = device_info().target
-    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target)
-    return LoadedVariant(variant, default_store().get_or_compile(variant)), "default"
+    done: dict[tuple, str] = {}
+    runner = GpuRunner()
+    try:
+        for row in rows:
+            if row in done:
+                continue
+            print(f"  tuning {row_name(row)} ({trials} trials) ...", flush=True)
+            loaded, tuned_now = tuned_kernel(FAMILY, problem_of(row), cache, trials, runner=runner, seed=seed)
+            done[row] = "tuned now" if tuned_now else "cached"
+            print(f"    {loaded.variant.name} ({done[row]})", flush=True)
+    finally:
+        runner.close()
+    return done
+
+
+def chosen_variant(row: tuple) -> dict:
+    """The variant the public function runs for this row, and where it comes from."""
+    try:
+        from autosoft.dispatch import DISPATCHER
+
+        choice = DISPATCHER.choose(problem_of(row))
+        return {"variant": choice.variant.name, "source": choice.source}
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal: the timing does not depend on it
+        return {"variant": "?", "source": f"unknown ({type(exc).__name__}: {exc})"[:200]}
 
 
 def row_name(row: tuple) -> str:
@@ -76,12 +113,11 @@ def attention_flops(row: tuple) -> float:
     b, hq, _, nq, nkv, d, causal = row
     if not causal:
         return 4.0 * b * hq * nq * nkv * d
-    visible = sum(min(nkv, i + nkv - nq + 1) for i in range(nq))  # query i sees keys j <= i + Nkv - Nq
+    visible = sum(max(0, min(nkv, i + nkv - nq + 1)) for i in range(nq))  # query i sees keys j <= i + Nkv - Nq
     return 4.0 * b * hq * visible * d
 
 
-def bench_row(torch, row: tuple, reps: int, l2_bytes: int, loaded: LoadedVariant | None = None,
-              source: str = "") -> dict:
+def bench_row(torch, row: tuple, reps: int, l2_bytes: int, with_autosoft: bool = True, tuning: str = "") -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -113,26 +149,32 @@ def bench_row(torch, row: tuple, reps: int, l2_bytes: int, loaded: LoadedVariant
         q, k, v = sets[i]
         sdpa(q, k, v, attn_mask=mask, is_causal=top_left, enable_gqa=True)
 
-    if loaded is not None:
-        import numpy as np
-
-        o = torch.empty(b, hq, nq, d, device="cuda", dtype=dt)
-        lse = torch.empty(b, hq, nq, device="cuda", dtype=torch.float32)
-        scale = np.float32(1 / d ** 0.5)
+    if with_autosoft:
+        import autosoft
 
         def ours(i: int) -> None:
             q, k, v = sets[i]
-            loaded.launch({"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "o": o.data_ptr(),
-                           "lse": lse.data_ptr(), "scale": scale})
+            autosoft.attention(q, k, v, causal=causal)
 
-        ours(0)
-        torch.cuda.synchronize()
         q, k, v = sets[0]
-        ref = sdpa(q, k, v, attn_mask=mask, is_causal=top_left, enable_gqa=True).float()
-        error = float((o.float() - ref).norm() / ref.norm())
-        if not error < 2e-2:
-            raise SystemExit(f"autosoft {loaded.variant.name} on {row_name(row)}: relative error {error:.3g} against SDPA")
-        out["autosoft"] = {**timed(ours), "variant": loaded.variant.name, "source": source, "rel_error": error}
+        with torch.no_grad():
+            o = autosoft.attention(q, k, v, causal=causal)  # first call: compiles (and verifies) untimed
+            ref = sdpa(q, k, v, attn_mask=mask, is_causal=top_left, enable_gqa=True)
+        torch.cuda.synchronize()
+        if o.shape != ref.shape or o.dtype != ref.dtype:
+            raise SystemExit(f"autosoft on {row_name(row)}: output {tuple(o.shape)} {o.dtype}, "
+                             f"SDPA's {tuple(ref.shape)} {ref.dtype}")
+        diff = o.float() - ref.float()
+        error = float(diff.norm() / ref.float().norm())
+        max_abs = float(diff.abs().max())
+        chosen = chosen_variant(row)
+        print(f"  {row_name(row)}: autosoft {chosen['variant']} ({chosen['source']}) against SDPA: "
+              f"relative error {error:.3g}, max abs diff {max_abs:.3g}", flush=True)
+        if not error <= MAX_REL_ERROR or not bool(torch.isfinite(o).all()):
+            raise SystemExit(f"autosoft {chosen['variant']} on {row_name(row)}: relative error {error:.3g} "
+                             f"(max abs diff {max_abs:.3g}) against SDPA, above {MAX_REL_ERROR:g} or not finite")
+        del o, ref, diff
+        out["autosoft"] = {**timed(ours), **chosen, "tuning": tuning, "rel_error": error, "max_abs_diff": max_abs}
     for backend in BACKENDS:
         if backend == "default":
             out[backend] = timed(gqa)
@@ -145,35 +187,76 @@ def bench_row(torch, row: tuple, reps: int, l2_bytes: int, loaded: LoadedVariant
     expanded.clear()
     if nq == 1:
         out["copy_us"] = time_copy(kv_bytes // 2, l2_bytes, reps).median_us
+    ours_us = out.get("autosoft", {}).get("us")
+    if ours_us:
+        for backend in ("default", "flash", "cudnn"):
+            theirs = out[backend].get("us")
+            out[f"x_{backend}"] = theirs / ours_us if theirs else None
+        out["tflops"] = out["flops"] / (ours_us * 1e-6) / 1e12
+        if "copy_us" in out:
+            out["pct_of_copy"] = 100.0 * out["copy_us"] / ours_us
     torch.cuda.empty_cache()
     return out
 
 
+def _isolate_user_cache() -> str:
+    """Point AUTOSOFT_CACHE_DIR at an empty temporary folder (removed at exit): the public
+    function then reads only the caches loaded here, never the user's."""
+    folder = tempfile.mkdtemp(prefix="autosoft-attention-decode-")
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ["AUTOSOFT_CACHE_DIR"] = folder
+    return folder
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="rows: " + "; ".join(f"{i}: {row_name(r)}"
+                                                                 for i, r in enumerate(DECODE + PREFILL)))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path("attention_decode.json"))
-    parser.add_argument("--cache", type=Path, default=Path("attention_decode.sqlite"),
-                        help="tuned-kernel cache: entries found there are re-used, missing ones tuned into it")
-    parser.add_argument("--trials", type=int, default=24, help="tuning trials per row (0: the untuned default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows", default="", help="comma-separated row indices (default: all ten)")
+    parser.add_argument("--tune", "--trials", dest="tune", type=int, default=0, metavar="TRIALS",
+                        help="tune each row's problem into --cache with TRIALS trials before timing, "
+                             "skipping problems the cache holds (default 0: no tuning; --trials is the old name)")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help=f"tuned-kernel cache: its entries are used, missing ones tuned into it with --tune "
+                             f"(default with --tune: {DEFAULT_CACHE}; without --tune and --cache: the untuned default)")
+    parser.add_argument("--seed", type=int, default=0, help="the tuner's seed")
+    parser.add_argument("--rows", default="", help="comma-separated row indices (default: all ten; see below)")
     parser.add_argument("--sdpa-only", action="store_true", help="the baselines alone, no autosoft column")
     args = parser.parse_args()
-    import torch
-
-    device = device_info()
-    cache = Cache(args.cache) if args.trials > 0 else None
+    if args.tune < 0:
+        parser.error("--tune must be >= 0")
     picked = DECODE + PREFILL
     if args.rows:
-        picked = [picked[int(i)] for i in args.rows.split(",")]
-    # every row's variant first (tuning runs in worker processes): nothing else on the GPU while timing
-    variants = [(None, "") if args.sdpa_only else autosoft_variant(row, cache, args.trials, args.seed) for row in picked]
+        try:
+            picked = [picked[int(i)] for i in args.rows.split(",")]
+        except (ValueError, IndexError):
+            parser.error(f"--rows {args.rows!r}: comma-separated indices 0..{len(DECODE + PREFILL) - 1}")
+    cache_path = args.cache if args.cache is not None else (DEFAULT_CACHE if args.tune > 0 else None)
+    if cache_path is not None and args.tune == 0 and not cache_path.is_file():
+        parser.error(f"--cache {cache_path} does not exist (give --tune TRIALS to tune into it)")
+    import torch
+
+    _isolate_user_cache()
+    device = device_info()
+    tuning: dict[tuple, str] = {}
+    if not args.sdpa_only:
+        # every row's tune first (tuning runs in a worker process): nothing else on the GPU while timing
+        if args.tune > 0:
+            tuning = tune_rows(picked, Cache(cache_path), args.tune, args.seed)
+        if cache_path is not None:
+            import autosoft
+
+            count = autosoft.load_cache(str(cache_path))
+            print(f"  loaded {count} entries from {cache_path}", flush=True)
     rows = []
-    for row, (loaded, source) in zip(picked, variants):
-        rows.append(bench_row(torch, row, args.reps, device.target.l2_bytes, loaded, source))
+    for row in picked:
+        rows.append(bench_row(torch, row, args.reps, device.target.l2_bytes, not args.sdpa_only,
+                              tuning.get(row, "not tuned here")))
         print_row(rows[-1])
-    result = {"gpu": device.name, "torch": torch.__version__, "commit": commit(), "rows": rows}
+    result = {"gpu": device.name, "torch": torch.__version__, "commit": commit(), "dtype": "bfloat16",
+              "reps": args.reps, "tune_trials": args.tune, "seed": args.seed,
+              "cache": str(cache_path) if cache_path is not None else None, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
     return 0
@@ -192,23 +275,27 @@ def print_row(r: dict) -> None:
           + (f"  copy {r['copy_us']:.1f}" if "copy_us" in r else ""), flush=True)
 
 
+def _x(value) -> str:
+    return f"{value:.2f}" if value else "-"
+
+
 def print_table(result: dict) -> None:
     print(f"\nissue 17 rows on {result['gpu']} (torch {result['torch']}, commit {result['commit']}), bf16, µs; "
-          "% of copy = copy / time; x = SDPA's time / autosoft's")
+          "% of copy = copy / time (decode); TF/s (prefill) counts visible pairs; x = SDPA's time / autosoft's "
+          "(above 1: autosoft faster)")
     print("| problem | K+V MB | copy µs | autosoft µs | % of copy | TF/s | SDPA default µs | x default | flash µs "
           "| x flash | cudnn µs | k/v expanded µs | variant |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in result["rows"]:
         ours = r.get("autosoft", {}).get("us")
-        default, flash = r["default"].get("us"), r["flash"].get("us")
         copy = r.get("copy_us")
-        pct = f"{100 * copy / ours:.0f}" if copy and ours else "-"
-        tfs = f"{r['flops'] / (ours * 1e-6) / 1e12:.0f}" if ours else "-"
-        x_default = f"{default / ours:.2f}" if ours and default else "-"
-        x_flash = f"{flash / ours:.2f}" if ours and flash else "-"
+        decode = r["shape"][3] == 1
+        pct = f"{r['pct_of_copy']:.0f}" if r.get("pct_of_copy") else "-"
+        tfs = f"{r['tflops']:.0f}" if r.get("tflops") and not decode else "-"
         print(f"| {r['row']} | {r['kv_mb']:.0f} | {f'{copy:.1f}' if copy else '-'} | "
-              f"{f'{ours:.1f}' if ours else '-'} | {pct} | {tfs} | {_us(r['default'])} | {x_default} | "
-              f"{_us(r['flash'])} | {x_flash} | {_us(r['cudnn'])} | {_us(r['expanded'])} | "
+              f"{f'{ours:.1f}' if ours else _us(r['autosoft']) if 'autosoft' in r else '-'} | {pct} | {tfs} | "
+              f"{_us(r['default'])} | {_x(r.get('x_default'))} | {_us(r['flash'])} | {_x(r.get('x_flash'))} | "
+              f"{_us(r['cudnn'])} | {_us(r['expanded'])} | "
               f"{r.get('autosoft', {}).get('variant', '-')} ({r.get('autosoft', {}).get('source', '-')}) |")
 
 

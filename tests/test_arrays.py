@@ -84,3 +84,66 @@ def test_attention_problem_follows_the_shapes_and_carries_causal():
         ATTENTION.caller_outputs({**shapes, "q": (0, 2, 77, 64)}, "float16", {})
     with pytest.raises(ValueError, match="head dim"):
         ATTENTION.problem_for({n: (1, 2, 77, 48) for n in shapes}, "float16", {})
+
+
+# --- autosoft.attention's window and softcap (issue 17): checked before any array is classified ---
+
+HOST_Q = np.ones((1, 2, 8, 64), dtype=np.float16)  # a host array: reaching the array layer is a "host" TypeError
+
+BAD_WINDOWS_AND_CAPS = [
+    # (keyword arguments, error, message)
+    ({"window": 4}, TypeError, r"^autosoft\.attention: window must be None or a pair \(left, right\) of key counts, "
+                               r"got int$"),
+    ({"window": (1, 2, 3)}, TypeError, r"window must be None or a pair .*, got 3 values$"),
+    ({"window": (True, None)}, TypeError, r"^autosoft\.attention: window's left side must be an int >= 0 or None, "
+                                          r"got bool$"),
+    ({"window": (None, 2.0)}, TypeError, r"window's right side must be an int >= 0 or None, got float$"),
+    ({"window": (-1, None)}, ValueError,
+     r"^autosoft\.attention: window's left side must be >= 0 \(a number of keys\), got -1$"),
+    ({"window": (0, np.int64(-3))}, ValueError, r"window's right side must be >= 0 .*got -3$"),
+    ({"softcap": 0}, ValueError,
+     r"^autosoft\.attention: softcap must be None or a positive finite number, got 0\.0$"),
+    ({"softcap": -30.0}, ValueError, r"softcap must be None or a positive finite number, got -30\.0$"),
+    ({"softcap": float("inf")}, ValueError, r"softcap must be .* finite number, got inf$"),
+    ({"softcap": float("nan")}, ValueError, r"softcap must be .* finite number, got nan$"),
+    ({"softcap": True}, TypeError, r"softcap must be None or a positive finite number, got bool$"),
+    ({"softcap": "30"}, TypeError, r"softcap must be None or a positive finite number, got str$"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_WINDOWS_AND_CAPS,
+                         ids=[repr(c[0]) for c in BAD_WINDOWS_AND_CAPS])
+def test_attention_refuses_bad_windows_and_caps_without_a_device(no_gpu_allowed, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        autosoft.attention(HOST_Q, HOST_Q, HOST_Q, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"window": (None, None)}, {"window": [0, 0]}, {"window": (np.int32(7), None)},
+                                    {"softcap": 50}, {"softcap": np.float32(0.5)},
+                                    {"causal": True, "window": (8, 3)}])
+def test_attention_lets_good_windows_and_caps_through_to_the_arrays(no_gpu_allowed, kwargs):
+    with pytest.raises(TypeError, match="host"):  # the array layer's error: the options passed their checks
+        autosoft.attention(HOST_Q, HOST_Q, HOST_Q, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, options", [
+    ({}, {"causal": False}),
+    ({"causal": 1}, {"causal": True}),
+    ({"window": (None, None), "softcap": None}, {"causal": False}),  # absent and None are one problem
+    ({"causal": True, "window": (np.int64(128), None)}, {"causal": True, "window_left": 128}),
+    ({"window": [None, 0], "softcap": 30}, {"causal": False, "window_right": 0, "softcap": 30.0}),
+    ({"window": (4, 2), "softcap": np.float32(50.0)}, {"causal": False, "window_left": 4, "window_right": 2,
+                                                        "softcap": 50.0}),
+])
+def test_attention_passes_only_the_given_options_and_never_the_kv_shape(monkeypatch, kwargs, options):
+    """kv_heads and kv_len are the family's to derive from k's shape (problem_for): the call passes
+    causal always, and window_left, window_right, softcap only where given, as plain ints and floats."""
+    calls = []
+    monkeypatch.setattr(autosoft.api, "call_family",
+                        lambda name, arrays, **kw: calls.append((name, len(arrays), kw)) or ("o", "lse"))
+    k = np.ones((1, 1, 300, 64), dtype=np.float16)
+    assert autosoft.attention(HOST_Q, k, k, return_lse=True, **kwargs) == ("o", "lse")
+    ((name, count, kw),) = calls
+    assert (name, count, kw["options"]) == ("attention", 3, options)
+    assert all(type(v) in (bool, int, float) for v in kw["options"].values())
+    assert kw["scalars"] == {"scale": np.float32(0.125)} and type(kw["scalars"]["scale"]) is np.float32

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -122,6 +123,39 @@ def test_fake_attention_takes_grouped_heads_and_other_key_lengths(q_shape, kv_sh
     assert (lse.shape, lse.dtype) == (q_shape[:3], F32)
 
 
+@pytest.mark.parametrize("args, kwargs, options", [
+    ((), {}, {"causal": True}),
+    ((None, None, None), {}, {"causal": True}),  # None: the schema's default, no limit and no cap
+    ((16,), {}, {"causal": True, "window_left": 16}),
+    ((), {"window_right": 0, "softcap": 30}, {"causal": True, "window_right": 0, "softcap": 30.0}),
+    ((4, 2, 50.0), {}, {"causal": True, "window_left": 4, "window_right": 2, "softcap": 50.0}),
+])
+def test_the_real_attention_passes_window_and_softcap_as_the_public_function_does(monkeypatch, args, kwargs,
+                                                                                  options):
+    """The schema's optional arguments, positional or by keyword, reach call_family as the problem
+    options autosoft.attention builds (absent ones left out; kv_heads and kv_len never passed: the
+    family reads them off k). CPU tensors reach the real implementation; call_family is a stand-in."""
+    seen = []
+
+    def record(name, arrays, *, options=None, scalars=None, out=None):
+        seen.append((name, [tuple(a.shape) for a in arrays], options, scalars))
+        return torch.zeros(2, 8, 5, 64, dtype=F16), torch.zeros(2, 8, 5)
+
+    monkeypatch.setattr(torch_ops, "call_family", record)
+    q, kv = torch.empty(2, 8, 5, 64, dtype=F16), torch.empty(2, 2, 77, 64, dtype=F16)
+    o, lse = ops.attention(q, kv, kv, True, 0.125, *args, **kwargs)
+    assert (o.shape, lse.shape) == ((2, 8, 5, 64), (2, 8, 5))
+    ((name, shapes, given, scalars),) = seen
+    assert (name, shapes, given) == ("attention", [(2, 8, 5, 64), (2, 2, 77, 64), (2, 2, 77, 64)], options)
+    assert scalars == {"scale": np.float32(0.125)} and type(scalars["scale"]) is np.float32
+
+
+def test_the_schema_refuses_a_float_window_before_any_implementation(no_kernels):
+    refused = r"Expected a value of type 'Optional\[int\]' for argument 'window_left'"
+    with pytest.raises(RuntimeError, match=refused):
+        ops.attention(*[torch.empty(1, 2, 4, 64, dtype=F16)] * 3, True, 0.1, 2.5)
+
+
 @pytest.mark.parametrize("split", [1, 40, 76])
 def test_fake_attention_colsum_gives_o_colsum_and_lse(split):
     with FakeTensorMode():
@@ -158,9 +192,13 @@ BAD_CALLS = [
     ("batches differ", lambda t: ops.attention(t(2, 4, 16, 64), t(1, 4, 16, 64), t(1, 4, 16, 64), False, 0.1),
      ValueError, r"must share the batch \(first\) and head dim \(last\)"),
     ("negative window", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, True, 0.1, -1),
-     ValueError, r"autosoft\.attention: window sides must be >= 0"),
+     ValueError, r"autosoft\.attention: window's left side must be >= 0 \(a number of keys\), got -1"),
+    ("negative right window", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, False, 0.1, window_right=-2),
+     ValueError, r"autosoft\.attention: window's right side must be >= 0 \(a number of keys\), got -2"),
     ("softcap 0", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, True, 0.1, None, None, 0.0),
-     ValueError, r"autosoft\.attention: softcap must be positive and finite, got 0\.0"),
+     ValueError, r"autosoft\.attention: softcap must be None or a positive finite number, got 0\.0"),
+    ("softcap inf", lambda t: ops.attention(*[t(1, 2, 16, 64)] * 3, True, 0.1, softcap=float("inf")),
+     ValueError, r"autosoft\.attention: softcap must be None or a positive finite number, got inf"),
     ("head dim 48", lambda t: ops.attention(t(1, 2, 16, 48), t(1, 2, 16, 48), t(1, 2, 16, 48), True, 0.1),
      ValueError, r"autosoft\.attention: shape '1x2x16x48': head dim D=48 is not supported"),
     ("dtypes differ", lambda t: ops.attention(t(1, 2, 16, 64), t(1, 2, 16, 64, dtype=BF16), t(1, 2, 16, 64), True, 0.1),
@@ -548,6 +586,39 @@ def test_the_public_attention_traces_as_the_operator(no_kernels):
         assert o.shape == (1, 2, 16, 64) and lse.shape == (1, 2, 16)
     assert op_targets(graphs[0]) == ["autosoft.attention.default"]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_public_attention_traces_grouped_heads_window_and_softcap_as_one_operator_call(no_kernels, dynamic):
+    """GQA with fewer queries than keys: o and lse follow q; the window and the cap are the
+    operator's arguments in the graph (left given, right None: unbounded). With dynamic shapes
+    another key length reuses the graph (the lengths are sizes, not constants of the trace)."""
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda q, k, v: autosoft.attention(q, k, v, causal=True, return_lse=True,
+                                                                window=(64, None), softcap=30.0),
+                             backend=backend, fullgraph=True, dynamic=dynamic)
+    with FakeTensorMode():
+        for keys in (77, 100):
+            o, lse = compiled(fake_cuda(2, 8, 5, 64, dtype=BF16), fake_cuda(2, 2, keys, 64, dtype=BF16),
+                              fake_cuda(2, 2, keys, 64, dtype=BF16))
+            assert (o.shape, o.dtype, o.is_contiguous()) == ((2, 8, 5, 64), BF16, True)
+            assert (lse.shape, lse.dtype) == ((2, 8, 5), F32)
+    assert len(graphs) == (1 if dynamic else 2)
+    (node,) = [n for n in graphs[0].graph.nodes if "autosoft" in str(n.target)]
+    assert str(node.target) == "autosoft.attention.default"
+    causal, _, window_left, window_right, softcap = node.args[3:]
+    assert (causal, window_left, window_right, softcap) == (True, 64, None, 30.0)
+    torch._dynamo.reset()
+
+
+def test_opcheck_attention_with_grouped_heads_other_key_lengths_window_and_softcap():
+    q = torch.empty(2, 8, 5, 64, device="meta", dtype=F16)
+    kv = torch.empty(2, 2, 77, 64, device="meta", dtype=F16)
+    for args, kwargs in (((q, kv, kv, True, 0.125, 16, 0, 30.0), {}),
+                         ((q, kv, kv, False, 0.125), {"window_right": 3, "softcap": 5.0})):
+        results = torch.library.opcheck(ops.attention.default, args, kwargs)
+        assert set(results.values()) == {"SUCCESS"}, results
 
 
 def test_aot_autograd_traces_the_backward_through_softmax_backward():

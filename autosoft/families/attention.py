@@ -25,6 +25,8 @@ outputs the last of them merges (flash-decoding).
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import re
 from dataclasses import replace
 from typing import Any, Mapping
@@ -442,28 +444,39 @@ class AttentionFamily(Family):
 
 
 def call_options(causal: Any, window: Any, softcap: Any, who: str = "autosoft.attention") -> dict[str, OptionValue]:
-    """The problem options of a call autosoft.attention(..., causal, window, softcap): causal,
-    and window_left, window_right, softcap where given. window is None or a pair of key counts
-    (int >= 0, or None for no limit on that side); softcap None or a positive number. TypeError
-    or ValueError, naming the argument, otherwise."""
+    """The attention family's problem options of a call with these arguments: {"causal": bool}, plus
+    "window_left", "window_right" and "softcap" only where given (not None), so that a call without
+    them keys the same problem, cache entry and plan as a plain causal or full attention. The family
+    derives kv_heads and kv_len from k's shape itself (problem_for); they are never passed.
+
+    Checked here, before any array or device is touched (also torch.ops.autosoft.attention's
+    arguments, as window=(window_left, window_right)), with one-line errors naming the argument:
+    window None or a pair (tuple or list) whose sides are None or ints >= 0 (anything with
+    __index__ but bool: True is no key count), else TypeError, or ValueError for a negative side;
+    softcap None or a real number (not bool), else TypeError, and positive and finite, else
+    ValueError (c * tanh(s / c) is undefined at 0 and the identity at infinity)."""
     options: dict[str, OptionValue] = {"causal": bool(causal)}
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise TypeError(f"{who}: window must be a pair (left, right) of key counts or None, got {window!r}")
-        for side, value in zip(("window_left", "window_right"), window):
+            got = f"{len(window)} values" if isinstance(window, (tuple, list)) else type(window).__name__
+            raise TypeError(f"{who}: window must be None or a pair (left, right) of key counts, got {got}")
+        for side, value in zip(("left", "right"), window):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{who}: window sides must be ints >= 0 or None, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{who}: window sides must be >= 0 (keys before and after the query), got {value}")
-            options[side] = int(value)
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+                raise TypeError(f"{who}: window's {side} side must be an int >= 0 or None, "
+                                f"got {type(value).__name__}")
+            count = operator.index(value)  # a plain int: the option's value is part of the cache key
+            if count < 0:
+                raise ValueError(f"{who}: window's {side} side must be >= 0 (a number of keys), got {count}")
+            options[f"window_{side}"] = count
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
-            raise TypeError(f"{who}: softcap must be a number or None, got {softcap!r}")
-        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
-            raise ValueError(f"{who}: softcap must be positive and finite, got {softcap}")
-        options["softcap"] = float(softcap)
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"{who}: softcap must be None or a positive finite number, got {type(softcap).__name__}")
+        cap = float(softcap)
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"{who}: softcap must be None or a positive finite number, got {cap}")
+        options["softcap"] = cap
     return options
 
 
