@@ -17,6 +17,15 @@ from .errors import UserError
 
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "--use_fast_math")
 
+# A source containing this line uses instructions of one architecture only (Hopper's wgmma and
+# setmaxnreg exist on sm_90a, not on sm_90 nor later GPUs): it is compiled for sm_<arch>a. The
+# mark is part of the source, so the source digest already tells the two targets apart.
+ARCH_SPECIFIC = "// autosoft: arch-specific target"
+
+# ptxas warnings that mean a Hopper kernel would silently run far below what it was written for:
+# setmaxnreg ignored (C7508), wgmma serialised by an injected wait (C7517, C7519, C7520).
+REJECTED_PTXAS_WARNINGS = re.compile(r"C75(08|17|19|20)")
+
 
 @dataclass(frozen=True)
 class CompileResult:
@@ -34,8 +43,9 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
-def arch_option(arch: str) -> str:
-    return f"--gpu-architecture=sm_{arch}"
+def arch_option(arch: str, source: str = "") -> str:
+    """NVRTC's target option: sm_<arch>, or sm_<arch>a for a source with the ARCH_SPECIFIC mark."""
+    return f"--gpu-architecture=sm_{arch}{'a' if ARCH_SPECIFIC in source else ''}"
 
 
 def source_digest(source: str, arch: str, nvrtc: str | None = None) -> str:
@@ -49,15 +59,20 @@ def source_digest(source: str, arch: str, nvrtc: str | None = None) -> str:
 
 
 def compile_source(source: str, arch: str, name: str = "kernel.cu") -> CompileResult:
-    """Compile CUDA source to a cubin for sm_<arch>. Failures are returned, not raised."""
+    """Compile CUDA source to a cubin for sm_<arch> (sm_<arch>a for a source with the
+    ARCH_SPECIFIC mark, which also fails on the REJECTED_PTXAS_WARNINGS). Failures are returned,
+    not raised."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(source, name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [arch_option(arch), *COMPILE_OPTIONS])
+            nvrtc.compileProgram(prog, [arch_option(arch, source), *COMPILE_OPTIONS])
         except nvrtc.NVRTCError as exc:
             return CompileResult(False, b"", f"{exc}\n{nvrtc.getProgramLog(prog)}".strip())
-        return CompileResult(True, nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog))
+        log = nvrtc.getProgramLog(prog)
+        if ARCH_SPECIFIC in source and REJECTED_PTXAS_WARNINGS.search(log):
+            return CompileResult(False, b"", f"rejected: ptxas would run this kernel degraded\n{log}".strip())
+        return CompileResult(True, nvrtc.getCUBIN(prog), log)
     finally:
         nvrtc.destroyProgram(prog)
 

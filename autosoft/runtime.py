@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import NoDeviceError, one_line
-from .families.base import Launch, Target, Variant
+from .families.base import Launch, Target, TensorMap, Variant
 
 _STRIDE = re.compile(r"\w+_stride\d+")  # a strided input's stride argument (Family.strided_inputs)
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -103,8 +103,9 @@ class LoadedVariant:
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
         self._launchers: dict[tuple, Callable[..., None]] = {}  # launch_raw's, by (names, scalar names)
-        self._stride_args = tuple(dict.fromkeys(a for l in variant.launches for a in l.args
-                                                if isinstance(a, str) and _STRIDE.fullmatch(a)))
+        self._stride_args = tuple(dict.fromkeys(
+            [a for l in variant.launches for a in l.args if isinstance(a, str) and _STRIDE.fullmatch(a)]
+            + [name for l in variant.launches for a in l.args if isinstance(a, TensorMap) for name in a.stride_names]))
 
     def launch(self, buffers: Mapping[str, Any], stream: Any = None) -> None:
         """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar.
@@ -148,7 +149,14 @@ class LoadedVariant:
         """
         position = {name: i for i, name in enumerate(names)}
         plans: list[tuple[_RawLaunch, tuple[tuple[int, int], ...]]] = []
+        maps: list[tuple[_RawLaunch, int, TensorMap, int, tuple[int, ...] | None]] = []
         for raw in self._launches:
+            for slot, tmap in raw.tensor_maps:
+                if tmap.array not in position:
+                    raise KeyError(f"{self.variant.name}: launch {raw.kernel} maps buffer {tmap.array!r}, not among {names}")
+                strides = tuple(position[n] for n in tmap.stride_names) \
+                    if all(n in position for n in tmap.stride_names) else None
+                maps.append((raw, slot, tmap, position[tmap.array], strides))
             binds = []
             for slot, name in raw.bound:
                 if name == "workspace":
@@ -171,7 +179,7 @@ class LoadedVariant:
             with cp.cuda.Device(self.device):
                 launch(*args)
 
-        if len(plans) == 1 and not plans[0][0].cooperative:
+        if len(plans) == 1 and not plans[0][0].cooperative and not maps:
             # one kernel (softmax's usual case): the driver call with its arguments bound here,
             # pointers written straight into their slots; every other case takes the loop below
             raw, binds = plans[0]
@@ -202,10 +210,15 @@ class LoadedVariant:
 
             return launch
 
+        encode = self._tensor_map
+
         def launch(*args: Any) -> None:
             stream_ptr = args[-1]
             try:
                 with lock:
+                    for raw, slot, tmap, at, strides in maps:  # TMA descriptors of this call's arrays
+                        raw.set_bytes(slot, encode(tmap, args[at], None if strides is None else
+                                                   tuple(int(args[i]) for i in strides)))
                     for raw, binds in plans:
                         for slot, at in binds:
                             raw.set(slot, args[at] if at >= 0 else workspace(stream_ptr))
@@ -225,6 +238,22 @@ class LoadedVariant:
         if launch is None:
             launch = self._launchers[names, scalars] = self.launcher(names, scalars)
         launch(*values.values(), stream_ptr)
+
+    def _tensor_map(self, tmap: TensorMap, pointer: int, strides: tuple[int, ...] | None) -> bytes:
+        """The CUtensorMap of `tmap` over the array at `pointer` with these strides (elements;
+        None: contiguous), from a small cache: a map holds the address, so each new array is
+        encoded once (about a microsecond) and repeated calls on the same tensors are a lookup."""
+        key = (tmap, pointer, strides)
+        encoded = self._maps.get(key)
+        if encoded is None:
+            if len(self._maps) >= _MAPS_KEPT:
+                self._maps.clear()
+            encoded = self._maps[key] = encode_tensor_map(tmap, pointer, strides)
+        return encoded
+
+    @functools.cached_property
+    def _maps(self) -> dict[tuple, bytes]:
+        return {}
 
     def _workspace(self, stream_ptr: int) -> int:
         held = self._workspaces.get(stream_ptr)
@@ -255,8 +284,12 @@ class _RawLaunch:
         self.geometry = (*launch.grid, *launch.block, launch.shared_mem)
         self.slots: list[Any] = []
         self.bound: list[tuple[int, str]] = []  # (slot index, buffer name) filled at each call
+        self.tensor_maps: list[tuple[int, TensorMap]] = []  # (slot index, map) encoded at each call
         for i, arg in enumerate(launch.args):
-            if isinstance(arg, str):
+            if isinstance(arg, TensorMap):
+                self.slots.append((ctypes.c_ubyte * _TENSOR_MAP_BYTES)())
+                self.tensor_maps.append((i, arg))
+            elif isinstance(arg, str):
                 self.slots.append(ctypes.c_void_p(0))
                 self.bound.append((i, arg))
             else:
@@ -277,6 +310,10 @@ class _RawLaunch:
         else:
             slot.value = new.value
 
+    def set_bytes(self, i: int, value: bytes) -> None:
+        """Write a by-value struct argument (a tensor map) into its slot."""
+        ctypes.memmove(self.slots[i], value, _TENSOR_MAP_BYTES)
+
     def start(self, stream_ptr: int) -> None:
         gx, gy, gz, bx, by, bz, smem = self.geometry
         if self.cooperative:  # cuLaunchKernel cannot start it
@@ -293,6 +330,55 @@ def _ctype_of(value: Any) -> Any:
     if isinstance(value, int):
         return ctypes.c_void_p(value)
     raise TypeError(f"unsupported kernel argument {value!r} ({type(value).__name__})")
+
+
+_TENSOR_MAP_BYTES = 128
+_MAPS_KEPT = 256  # encoded tensor maps a loaded variant keeps (a map is tied to one array address)
+_TMA_DTYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_SWIZZLE_128B = 3
+_L2_PROMOTION_128B = 2
+
+
+def encode_tensor_map(tmap: TensorMap, pointer: int, strides: tuple[int, ...] | None = None) -> bytes:
+    """cuTensorMapEncodeTiled for `tmap` over the array at `pointer`, whose strides (elements,
+    every dimension but the last, outermost first) are `strides` or, for None, contiguous. A
+    dimension of one element takes a contiguous stride whatever it was given (its stride is never
+    used, and the driver insists on multiples of 16 bytes). Raises RuntimeError with the driver's
+    error code when the driver refuses (an address or stride that is not a multiple of 16 bytes)."""
+    from .dtypes import ITEMSIZE
+
+    itemsize = ITEMSIZE[tmap.dtype]
+    shape = tmap.shape
+    packed = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        packed[d] = packed[d + 1] * shape[d + 1]
+    given = list(strides) if strides is not None else packed[:-1]
+    steps = [packed[d] if shape[d] == 1 else given[d] for d in range(len(shape) - 1)]
+    rank = len(shape)
+    dims = (ctypes.c_uint64 * rank)(*reversed(shape))
+    byte_strides = (ctypes.c_uint64 * (rank - 1))(*[s * itemsize for s in reversed(steps)])
+    box = (ctypes.c_uint32 * rank)(*reversed(tmap.box))
+    ones = (ctypes.c_uint32 * rank)(*([1] * rank))
+    out = (ctypes.c_uint64 * 32)()  # the map must be 64-byte aligned: encoded into an aligned spot
+    at = (ctypes.addressof(out) + 127) & ~127
+    result = _libcuda().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _TMA_DTYPES[tmap.dtype], rank,
+                                               ctypes.c_void_p(pointer), dims, byte_strides, box, ones, 0,
+                                               _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
+    if result != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled refused the map of {tmap.array} (shape {shape}, strides {steps}, "
+                           f"address {pointer:#x}): CUresult {result}")
+    return ctypes.string_at(at, _TENSOR_MAP_BYTES)
+
+
+@lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    """The CUDA driver library (CuPy has no binding for cuTensorMapEncodeTiled)."""
+    lib = ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
 
 
 @lru_cache(maxsize=1)

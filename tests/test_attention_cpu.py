@@ -95,7 +95,11 @@ def test_space_defaults_and_constraints(shape, dtype, flags, arch):
     n = problem.shape[2]
     for p in valid:
         v = space.evaluate(p, _values(problem, arch))
-        assert v["block_m"] * v["key_warps"] in (16 * v["warps"], 32 * v["warps"])
+        if v["engine"] == "wgmma":  # one consumer warpgroup per 64 rows, a register budget each
+            assert arch == "90" and v["block_m"] in (64, 128, 192) and v["D"] in (64, 128, 256)
+            assert v["wgmma_regs"] <= (240 if v["block_m"] <= 128 else 160)
+        else:
+            assert v["block_m"] * v["key_warps"] in (16 * v["warps"], 32 * v["warps"])
         assert v["smem_bytes"] <= target.smem_optin
         assert v["stages"] == 1 or v["stages"] <= math.ceil(n / v["block_n"])
 
@@ -128,7 +132,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"

@@ -37,7 +37,7 @@ from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap, valid_neighbours
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
@@ -183,7 +183,8 @@ class AttentionFamily(Family):
         b, h, n, d = problem.shape
         kv_heads, kv_len = _kv(problem)
         return {"B": b, "H": h, "N": n, "D": d, "NKV": kv_len, "G": h // kv_heads, "itemsize": ITEMSIZE[problem.dtype],
-                "causal": "causal" in problem.flags, "smem_limit": target.smem_optin, "sm_count": target.sm_count}
+                "causal": "causal" in problem.flags, "smem_limit": target.smem_optin, "sm_count": target.sm_count,
+                "sm90": target.arch == "90"}
 
     # --- a variant ----------------------------------------------------------------------
 
@@ -196,9 +197,11 @@ class AttentionFamily(Family):
             mask += "_window"
         name = (f"attention_{_SHORT[problem.dtype]}_d{problem.shape[3]}{mask}"
                 f"{'_softcap' if problem.option('softcap') is not None else ''}"
-                f"{f'_g{group}' if group > 1 else ''}"
-                f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
-                f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
+                f"{f'_g{group}' if group > 1 else ''}")
+        if p.get("engine") == "wgmma":  # its other parameters keep one value (the space's constraint)
+            return name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
+        name += (f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
+                 f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
             name += "_qreg"
         if int(p.get("key_warps", 1)) > 1:
@@ -223,11 +226,18 @@ class AttentionFamily(Family):
                 "window_left": -1 if window_left is None else int(window_left),
                 "window_right": -1 if window_right is None else int(window_right),
                 "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None,
-                "single_length": False}
+                "single_length": False, "engine": values.get("engine", "mma")}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         b, h, n, d = problem.shape
-        kv_heads, _ = _kv(problem)
+        kv_heads, kv_len = _kv(problem)
+        if values.get("engine") == "wgmma":  # a producer warpgroup and one consumer per 64 rows
+            block_m, block_n = int(values["block_m"]), int(values["block_n"])
+            maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, 64), problem.dtype),
+                    TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
+                    TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype))
+            return (Launch("attention_fwd", (-(-n // block_m), h, b), (128 * (block_m // 64 + 1), 1, 1),
+                           values["smem_bytes"], (*maps, "o", "lse", "scale")),), 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
         rows = (h // kv_heads) * n if pack else n
         m_blocks = -(-rows // values["block_m"])
@@ -262,7 +272,7 @@ class AttentionFamily(Family):
         if self._splits and group * n <= 64:
             rows = group * n
             block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-            p: dict[str, ParamValue] = {"block_m": block_m, "block_n": 64, "warps": 4,
+            p: dict[str, ParamValue] = {**self._mma, "block_m": block_m, "block_n": 64, "warps": 4,
                                         "key_warps": 64 // block_m, "stages": 3, "layout": "swizzle" if d != 96 else "pad",
                                         "q_in": "registers" if d <= 128 else "smem", "pack": group > 1, "splits": 1}
             blocks = kv_heads * b
@@ -270,8 +280,8 @@ class AttentionFamily(Family):
                     self._valid_point(problem, target, {**p, "splits": 2 * int(p["splits"])}):
                 p["splits"] = 2 * int(p["splits"])
             return self._first_valid(problem, target, p)
-        p = {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "layout": "swizzle" if d != 96 else "pad",
-             "q_in": q_in, "pack": False, "splits": 1, "key_warps": 1}
+        p = {**self._mma, "block_m": 128, "block_n": 64, "warps": 4, "stages": 2,
+             "layout": "swizzle" if d != 96 else "pad", "q_in": q_in, "pack": False, "splits": 1, "key_warps": 1}
         if -(-n // 128) * b * h < target.sm_count:
             p.update(block_m=64)
         elif d == 256:  # 16 rows per warp (32 do not fit in registers), eight warps share the K/V tiles
@@ -301,7 +311,18 @@ class AttentionFamily(Family):
                {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 128, "stages": 3, "key_warps": 4},
                {"block_n": 32, "key_warps": 2, "warps": 2, "stages": 2}, {"key_warps": 2, "warps": 2, "stages": 1})
             if self._splits else ())
-        return valid_neighbours(self, problem, target, base, changes)
+        return valid_neighbours(self, problem, target, base, changes + self._wgmma_points(problem))
+
+    def _wgmma_points(self, problem: Problem) -> tuple[dict[str, ParamValue], ...]:
+        """Hopper variants worth measuring first (FlashAttention-3's tiles: 128 x 128 at D = 128,
+        wider key tiles for D = 64, 64 keys at D = 256); the space drops them elsewhere."""
+        if "engine" not in self.space.names:
+            return ()
+        fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
+                 "pack": False, "splits": 1}
+        tiles = ((128, 128, 2), (128, 176, 2), (128, 64, 3), (128, 128, 3), (64, 128, 2), (192, 128, 2),
+                 (192, 192, 2), (128, 192, 2), (128, 64, 2))
+        return tuple({**fixed, "block_m": m, "block_n": n, "stages": st} for m, n, st in tiles)
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
         """is_valid, and False for values the space does not declare (a family that extends the
@@ -310,6 +331,11 @@ class AttentionFamily(Family):
             return self.is_valid(problem, target, params)
         except UserError:
             return False
+
+    @property
+    def _mma(self) -> dict[str, ParamValue]:
+        """{"engine": "mma"} where the space has engines (a family that extends the kernel may not)."""
+        return {"engine": "mma"} if "engine" in self.space.names else {}
 
     @property
     def _splits(self) -> bool:
