@@ -124,7 +124,8 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, "km_split": 1}
     colsum = build_variant(FAMILY, problem, params, TARGET).source
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
-    attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, **{
+    attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "engine": "mma",
+                                                             "overlap": False, "pingpong": False, **{
         k: params[k] for k in space_of(ATTENTION).names if k in params}}, TARGET).source
     assert _main_loop(colsum).startswith(_main_loop(attention))
     assert colsum.count("// S = Q K^T (raw scores, fp32)") == 2, "qk_scores is rendered again for the second pass"

@@ -132,7 +132,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"

@@ -199,7 +199,8 @@ class AttentionFamily(Family):
                 f"{'_softcap' if problem.option('softcap') is not None else ''}"
                 f"{f'_g{group}' if group > 1 else ''}")
         if p.get("engine") == "wgmma":  # its other parameters keep one value (the space's constraint)
-            return name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
+            return (name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
+                    + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else ""))
         name += (f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
                  f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
@@ -226,7 +227,8 @@ class AttentionFamily(Family):
                 "window_left": -1 if window_left is None else int(window_left),
                 "window_right": -1 if window_right is None else int(window_right),
                 "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None,
-                "single_length": False, "engine": values.get("engine", "mma")}
+                "single_length": False, "engine": values.get("engine", "mma"),
+                "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False))}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         b, h, n, d = problem.shape
@@ -320,9 +322,14 @@ class AttentionFamily(Family):
             return ()
         fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
                  "pack": False, "splits": 1}
-        tiles = ((128, 128, 2), (128, 176, 2), (128, 64, 3), (128, 128, 3), (64, 128, 2), (192, 128, 2),
-                 (192, 192, 2), (128, 192, 2), (128, 64, 2))
-        return tuple({**fixed, "block_m": m, "block_n": n, "stages": st} for m, n, st in tiles)
+        # (block_m, block_n, stages, overlap, pingpong)
+        points = ((128, 128, 2, True, True), (128, 128, 3, True, True), (128, 176, 2, True, True),
+                  (192, 128, 2, True, False), (128, 128, 2, False, False), (128, 80, 2, True, True),
+                  (128, 64, 2, False, False), (128, 128, 2, True, False), (128, 128, 3, True, False),
+                  (192, 128, 3, True, False), (128, 192, 2, True, True), (64, 128, 2, True, False),
+                  (128, 80, 2, False, False), (128, 64, 3, True, True))
+        return tuple({**fixed, "block_m": m, "block_n": n, "stages": st, "overlap": ov, "pingpong": pp}
+                     for m, n, st, ov, pp in points)
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
         """is_valid, and False for values the space does not declare (a family that extends the
@@ -335,7 +342,7 @@ class AttentionFamily(Family):
     @property
     def _mma(self) -> dict[str, ParamValue]:
         """{"engine": "mma"} where the space has engines (a family that extends the kernel may not)."""
-        return {"engine": "mma"} if "engine" in self.space.names else {}
+        return {"engine": "mma", "overlap": False, "pingpong": False} if "engine" in self.space.names else {}
 
     @property
     def _splits(self) -> bool:
