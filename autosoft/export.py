@@ -17,7 +17,9 @@ import numpy as np
 from . import __version__
 from .cache import Entry
 from .errors import UserError
-from .families.base import Launch, Variant
+from .compile import ARCH_SPECIFIC
+from .dtypes import ITEMSIZE
+from .families.base import Launch, TensorMap, Variant
 from .files import replace_text
 
 # past this much dynamic shared memory a kernel must opt in before its launch (the default limit)
@@ -35,8 +37,10 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         f"family {variant.family}, dtype {variant.problem.dtype}, shape {variant.problem.shape_text}",
         "params: " + ", ".join(f"{k}={v}" for k, v in variant.params.items()),
     ]
+    maps = [a for launch in variant.launches for a in launch.args if isinstance(a, TensorMap)]
     for launch in variant.launches:
-        args = ", ".join(a if isinstance(a, str) else f"{a.item()}" for a in launch.args)
+        args = ", ".join(a if isinstance(a, str) else f"tensor_map({a.array})" if isinstance(a, TensorMap)
+                         else f"{a.item()}" for a in launch.args)
         lines.append(f"launch {launch.kernel}<<<grid={launch.grid}, block={launch.block}, "
                      f"dynamic shared memory={launch.shared_mem} B>>>({args})")
         if launch.shared_mem > DEFAULT_DYNAMIC_SMEM:
@@ -49,6 +53,10 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         if launch.non_portable_cluster:
             lines.append(f"  {launch.kernel} runs clusters of {launch.cluster_blocks} blocks: set "
                          "cudaFuncAttributeNonPortableClusterSizeAllowed to 1 before launching it")
+    for tmap in dict.fromkeys(maps):
+        lines.append(f"  tensor_map({tmap.array}): a CUtensorMap (cuTensorMapEncodeTiled) over {tmap.array}, "
+                     f"{tmap.dtype} of shape {tmap.shape} (outermost first) with its strides, box {tmap.box}, "
+                     "128-byte swizzle, zero fill past the edges; passed by value")
     if variant.workspace_bytes:
         lines.append(f"workspace: {variant.workspace_bytes} bytes of device memory, zeroed once before the "
                      "first launch and kept for later launches (the kernels' comments say what it holds)")
@@ -64,13 +72,22 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         lines.append("untuned: heuristic default variant")
     lines += [
         f"source digest (sha256 over source, options, sm_{variant.target.arch}, NVRTC version): {variant.digest}",
-        f"build: nvcc -c -arch=sm_{variant.target.arch} --use_fast_math -std=c++17 <this file>",
-        f"host launcher: compile with -D{HOST_MACRO} to get (at the end of this file)",
+        f"build: nvcc -c {_arch_flag(variant)} --use_fast_math -std=c++17 <this file>",
+        f"host launcher: compile with -D{HOST_MACRO} to get (at the end of this file)"
+        + (" and link with -lcuda (it encodes the tensor maps)" if maps else ""),
         f"  extern \"C\" {host.prototype};",
         "  it sets the attributes above, launches the kernels in order on `stream` and returns the first error",
     ]
     header = "\n".join("// " + line for line in lines)
     return f"{header}\n\n{variant.source}{host.definition()}"
+
+
+def _arch_flag(variant: Variant) -> str:
+    """nvcc's target: -arch=sm_XX, or for a kernel of one architecture's own instructions (the
+    ARCH_SPECIFIC mark) its sm_XXa cubin alone (-arch=sm_90a would also embed compute_90 PTX,
+    which cannot hold those instructions)."""
+    arch = variant.target.arch
+    return f"-gencode=arch=compute_{arch}a,code=sm_{arch}a" if ARCH_SPECIFIC in variant.source else f"-arch=sm_{arch}"
 
 
 # --- the host launcher ------------------------------------------------------------------------
@@ -126,10 +143,15 @@ class _HostLauncher:
         self.types = _typedefs(variant.source)
         self.kernels = [(launch, kernel_parameters(variant.source, launch.kernel)) for launch in variant.launches]
         host: dict[str, str] = {}   # named arg -> its type in the launcher's parameter list
+        map_strides: list[str] = []  # a mapped array's strides, after every other parameter (as strided inputs')
         for launch, params in self.kernels:
             if len(params) != len(launch.args):
                 raise ValueError(f"kernel {launch.kernel}: {len(launch.args)} launch args for {len(params)} parameters")
             for arg, param in zip(launch.args, params):
+                if isinstance(arg, TensorMap):  # the launcher takes the array and its strides, and encodes the map
+                    host.setdefault(arg.array, f"const {self.types.get('raw_t', 'void')}*")
+                    map_strides += arg.stride_names
+                    continue
                 if not isinstance(arg, str) or arg == "workspace":
                     continue
                 ctype = self._resolved(param.ctype)
@@ -139,6 +161,8 @@ class _HostLauncher:
                     raise ValueError(f"argument {arg}: {host[arg]} in one kernel, {ctype} in {launch.kernel}")
                 elif "const " not in ctype:
                     host[arg] = ctype  # writable where one kernel writes it; T* passes as const T* to the others
+        for name in map_strides:
+            host.setdefault(name, "long long")
         self.host = host
 
     def _resolved(self, ctype: str) -> str:
@@ -153,6 +177,8 @@ class _HostLauncher:
         return f"cudaError_t {LAUNCHER}({', '.join(params)})"
 
     def _value(self, arg: Any, param: _Param, kernel: str) -> str:
+        if isinstance(arg, TensorMap):
+            return f"map_{arg.array}"
         if not isinstance(arg, str):
             return _literal(arg, param.ctype, kernel)
         if arg == "workspace":
@@ -169,8 +195,11 @@ class _HostLauncher:
         if v.workspace_bytes:
             out.append(f"// `workspace` is {v.workspace_bytes} bytes of device memory, zeroed (cudaMemset) once before "
                        "the first call and kept for later calls; one per stream running this concurrently.")
+        maps = any(isinstance(a, TensorMap) for launch, _ in self.kernels for a in launch.args)
+        out += ["#include <cuda_runtime.h>"]
+        if maps:
+            out += _TENSOR_MAP_HELPER
         out += [
-            "#include <cuda_runtime.h>",
             f"extern \"C\" {self.prototype} {{",
             "  cudaError_t err = cudaSuccess;",
         ]
@@ -193,6 +222,8 @@ class _HostLauncher:
             lines.append(f"  err = cudaFuncSetAttribute({k}, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);"
                          f"  // clusters of {launch.cluster_blocks} blocks")
             lines.append(f"  {check}")
+        for arg in dict.fromkeys(a for a in launch.args if isinstance(a, TensorMap)):
+            lines += _encode_map(arg, check)
         values = [self._value(a, p, k) for a, p in zip(launch.args, params)]
         if launch.cooperative:  # its blocks wait for each other: all of them must be resident at once
             lines.append("  {")
@@ -207,6 +238,47 @@ class _HostLauncher:
             lines.append("  err = cudaGetLastError();")
             lines.append(f"  {check}")
         return lines
+
+
+_TENSOR_MAP_HELPER = [
+    "#include <cuda.h>",
+    "#include <cstring>",
+    "// a tiled TMA descriptor: dims and box innermost first, strides (of every dim but the first) in bytes",
+    "static cudaError_t autosoft_tensor_map(void* map, const void* base, CUtensorMapDataType type, cuuint32_t rank,",
+    "                                       const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {",
+    "  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};",
+    "  CUtensorMap encoded;",
+    "  CUresult r = cuTensorMapEncodeTiled(&encoded, type, rank, const_cast<void*>(base), dims, strides, box, ones,",
+    "                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,",
+    "                                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);",
+    "  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;  // an address or stride not a multiple of 16 bytes",
+    "  std::memcpy(map, &encoded, 128);",
+    "  return cudaSuccess;",
+    "}",
+]
+_TMA_TYPES = {"float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
+
+
+def _encode_map(tmap: TensorMap, check: str) -> list[str]:
+    """Launcher lines that encode `map_<array>` from the array and its strides (elements); a
+    dimension of one element takes the contiguous stride, as the runtime does."""
+    itemsize = ITEMSIZE[tmap.dtype]
+    rank = len(tmap.shape)
+    packed = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        packed[d] = packed[d + 1] * tmap.shape[d + 1]
+    strides = [f"{packed[d] * itemsize}ull" if tmap.shape[d] == 1 else f"(cuuint64_t){tmap.stride_names[d]} * {itemsize}"
+               for d in reversed(range(rank - 1))]
+    return [
+        f"  TensorMap map_{tmap.array};",
+        "  {",
+        f"    const cuuint64_t dims[{rank}] = {{{', '.join(f'{n}ull' for n in reversed(tmap.shape))}}};",
+        f"    const cuuint64_t strides[{rank - 1}] = {{{', '.join(strides)}}};",
+        f"    const cuuint32_t box[{rank}] = {{{', '.join(f'{n}u' for n in reversed(tmap.box))}}};",
+        f"    err = autosoft_tensor_map(&map_{tmap.array}, {tmap.array}, {_TMA_TYPES[tmap.dtype]}, {rank}, dims, strides, box);",
+        f"    {check}",
+        "  }",
+    ]
 
 
 # --- writing the file -------------------------------------------------------------------------

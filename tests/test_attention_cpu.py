@@ -12,9 +12,9 @@ import pytest
 
 from autosoft.errors import UserError
 from autosoft.families import get_family
-from autosoft.compile import compile_source
+from autosoft.compile import ARCH_SPECIFIC, compile_source
 from autosoft.families.attention import call_options, key_bounds, reference, visible_pairs
-from autosoft.families.base import Target, build_variant, space_of
+from autosoft.families.base import Target, TensorMap, build_variant, space_of
 
 FAMILY = get_family("attention")
 ARCHS = ("90", "80")
@@ -122,8 +122,19 @@ def test_invalid_params_are_refused():
     problem = FAMILY.problem("1,2,1000,64", "float16")
     target = Target.for_arch("90")
     good = FAMILY.default_params(problem, target)
+    assert good["engine"] == "wgmma"
     with pytest.raises(UserError, match="block_m"):
         build_variant(FAMILY, problem, {**good, "block_m": 96}, target)
+    with pytest.raises(UserError, match="mma-only parameters keep one value under wgmma"):
+        build_variant(FAMILY, problem, {**good, "warps": 8}, target)
+    with pytest.raises(UserError, match="sm_90a instructions"):
+        build_variant(FAMILY, problem, good, Target.for_arch("80"))
+    with pytest.raises(UserError, match="registers setmaxnreg gives it"):
+        build_variant(FAMILY, FAMILY.problem("1,2,1000,128", "float16"),
+                      {**good, "block_m": 192, "block_n": 128, "blocks_per_sm": 1}, target)
+    with pytest.raises(UserError, match="two resident blocks are for the one-consumer wgmma kernel"):
+        build_variant(FAMILY, problem, {**good, "block_m": 128, "pingpong": True}, target)
+    good = FAMILY._mma_default(problem, target)
     with pytest.raises(UserError, match="mma tile"):
         build_variant(FAMILY, problem, {**good, "block_m": 64, "warps": 8}, target)
     with pytest.raises(UserError, match="not allowed"):
@@ -132,7 +143,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "overlap": False, "pingpong": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
@@ -148,7 +159,7 @@ def test_variant_name_and_launch():
 
 def test_rendered_source_uses_tensor_core_ptx():
     problem = FAMILY.problem("1,32,8192,64", "bfloat16")
-    src = build_variant(FAMILY, problem, FAMILY.default_params(problem, Target.for_arch("90")),
+    src = build_variant(FAMILY, problem, FAMILY._mma_default(problem, Target.for_arch("90")),
                         Target.for_arch("90")).source
     for needle in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
@@ -168,11 +179,16 @@ def _tool(name: str) -> str | None:
     return None
 
 
+def _arch_flag(source: str, arch: str) -> str:
+    """nvcc's target for a source: the sm_XXa cubin alone for a kernel of Hopper's own instructions."""
+    return f"-gencode=arch=compute_{arch}a,code=sm_{arch}a" if ARCH_SPECIFIC in source else f"-arch=sm_{arch}"
+
+
 def _nvcc_cubin(tmp_path: Path, source: str, arch: str) -> Path:
     src = tmp_path / "attention.cu"
     src.write_text(source)
     out = tmp_path / "attention.cubin"
-    proc = subprocess.run([_tool("nvcc"), "-cubin", f"-arch=sm_{arch}", "-std=c++17", "--use_fast_math",
+    proc = subprocess.run([_tool("nvcc"), "-cubin", _arch_flag(source, arch), "-std=c++17", "--use_fast_math",
                            "-o", str(out), str(src)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -182,14 +198,15 @@ def _nvcc_cubin(tmp_path: Path, source: str, arch: str) -> Path:
 @pytest.mark.parametrize("shape, dtype, flags", PROBLEMS[:3])
 def test_default_variant_builds_with_nvcc(tmp_path, shape, dtype, flags):
     problem = FAMILY.problem(shape, dtype, flags)
-    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, Target.for_arch("90")),
-                            Target.for_arch("90"))
-    src = tmp_path / "attention.cu"
-    src.write_text(variant.source)
-    proc = subprocess.run([_tool("nvcc"), "-c", "-arch=sm_90", "-std=c++17", "-o", str(tmp_path / "a.o"), str(src)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "warning" not in proc.stderr, proc.stderr
+    target = Target.for_arch("90")
+    for params in (FAMILY.default_params(problem, target), FAMILY._mma_default(problem, target)):
+        variant = build_variant(FAMILY, problem, params, target)
+        src = tmp_path / "attention.cu"
+        src.write_text(variant.source)
+        proc = subprocess.run([_tool("nvcc"), "-c", _arch_flag(variant.source, "90"), "-std=c++17",
+                               "-o", str(tmp_path / "a.o"), str(src)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert "warning" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(_tool("nvcc") is None or _tool("cuobjdump") is None or _tool("nvdisasm") is None,
@@ -198,7 +215,7 @@ def test_default_variant_builds_with_nvcc(tmp_path, shape, dtype, flags):
 def test_sass_has_tensor_core_and_ldmatrix_instructions(tmp_path, layout):
     problem = FAMILY.problem("1,8,1000,128", "float16", ("causal",))
     target = Target.for_arch("90")
-    params = {**FAMILY.default_params(problem, target), "layout": layout}
+    params = {**FAMILY._mma_default(problem, target), "layout": layout}
     cubin = _nvcc_cubin(tmp_path, build_variant(FAMILY, problem, params, target).source, "90")
     proc = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -354,3 +371,69 @@ def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
             v = build_variant(FAMILY, problem, params, target)
             result = compile_source(v.source, arch, v.name + ".cu")
             assert result.ok, f"{v.name}: {result.log[:2000]}"
+
+
+# --- the wgmma engine (sm_90a) ------------------------------------------------------------------
+
+WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1,
+         "blocks_per_sm": 1}
+
+
+def test_wgmma_variant_name_and_launch_take_tensor_maps():
+    problem = FAMILY.problem("2,16,1000,128", "bfloat16", {"causal": True, "kv_heads": 4, "kv_len": 3000})
+    params = {**WGMMA, "block_m": 128, "block_n": 176, "stages": 2, "overlap": True, "pingpong": True}
+    v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
+    assert v.name == "attention_bf16_d128_causal_g4_wgmma_m128_n176_s2_ov_pp"
+    (launch,) = v.launches
+    assert launch.grid == (8, 16, 2) and launch.block == (384, 1, 1), "a producer and two consumer warpgroups"
+    assert launch.shared_mem == 2 * 128 * (128 + 2 * 2 * 176) + 1024 + 8 * (1 + 4 * 2)
+    q, k, val = launch.args[:3]
+    assert q == TensorMap("q", (2, 16, 1000, 128), (1, 1, 128, 64), "bfloat16")
+    assert k == TensorMap("k", (2, 4, 3000, 128), (1, 1, 176, 64), "bfloat16") and val == TensorMap(
+        "v", (2, 4, 3000, 128), (1, 1, 176, 64), "bfloat16")
+    assert launch.args[3:] == ("o", "lse", "scale") and v.workspace_bytes == 0
+    assert q.stride_names == ("q_stride0", "q_stride1", "q_stride2")
+    assert ARCH_SPECIFIC in v.source and "setmaxnreg.inc.sync.aligned.u32 240" in v.source
+
+
+@pytest.mark.parametrize("shape, dtype, options", [
+    ("4,16,4096,128", "bfloat16", {}),
+    ("1,8,1000,64", "float16", {"kv_heads": 2, "kv_len": 3333, "causal": True, "window_left": 100, "softcap": 30.0}),
+    ("2,4,300,256", "bfloat16", {"window_right": 7}),
+])
+def test_a_sample_of_wgmma_variants_compiles_for_sm90a_without_degrading_warnings(shape, dtype, options):
+    """Every wgmma seed of the problem compiles with NVRTC for sm_90a, and none is rejected for a
+    ptxas warning that setmaxnreg was ignored or a wgmma serialised (compile_source fails those)."""
+    problem = FAMILY.problem(shape, dtype, options)
+    target = Target.for_arch("90")
+    seeds = [p for p in [FAMILY.default_params(problem, target)] + FAMILY.seed_params(problem, target)
+             if p["engine"] == "wgmma"]
+    assert seeds
+    for params in seeds[:4]:
+        result = compile_source(build_variant(FAMILY, problem, params, target).source, "90")
+        assert result.ok, result.log[:2000]
+
+
+def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_decoding():
+    sm90, sm80 = Target.for_arch("90"), Target.for_arch("80")
+    prefill = FAMILY.problem("4,16,4096,128", "bfloat16", ("causal",))
+    assert FAMILY.default_params(prefill, sm90)["engine"] == "wgmma"
+    assert FAMILY.default_params(prefill, sm80)["engine"] == "mma"
+    assert all(p["engine"] == "mma" for p in FAMILY.seed_params(prefill, sm80))
+    decode = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 32768})
+    assert FAMILY.default_params(decode, sm90)["engine"] == "mma"
+    d96 = FAMILY.problem("1,8,4096,96", "bfloat16")
+    assert FAMILY.default_params(d96, sm90)["engine"] == "mma"  # no 64-column boxes for D = 96
+    seeds = FAMILY.seed_params(prefill, sm90)
+    assert FAMILY._mma_default(prefill, sm90) in seeds and FAMILY.default_params(prefill, sm90) not in seeds
+
+
+@pytest.mark.skipif(_tool("nvcc") is None or _tool("cuobjdump") is None, reason="nvcc or cuobjdump not installed")
+def test_wgmma_sass_has_warpgroup_mma_and_tensor_memory_copies(tmp_path):
+    problem = FAMILY.problem("1,8,1000,128", "bfloat16", ("causal",))
+    target = Target.for_arch("90")
+    cubin = _nvcc_cubin(tmp_path, build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target).source,
+                        "90")
+    sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    for op in ("HGMMA.64x128x16.F32.BF16", "UTMALDG.4D", "SYNCS", "MUFU.EX2", "USETMAXREG"):
+        assert op in sass, op

@@ -188,12 +188,22 @@ HOST_VARIANTS = {
     "softmax_two_launches": (SOFTMAX, "32x131072", "float32", {"split": 4, "combine": "launches"}),
     "softmax_cooperative_grid": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "grid"}),
     "softmax_cluster_of_16": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "cluster"}),
-    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {}),
+    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {"engine": "mma", "overlap": False, "blocks_per_sm": 1,
+                                                                       "pingpong": False, "block_m": 128,
+                                                                       "block_n": 64, "warps": 4, "stages": 2}),
+    "attention_tensor_maps": (ATTENTION, "1,32,8192,128", "bfloat16", {
+        "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "block_m": 128, "block_n": 128, "stages": 2,
+        "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
 }
 
 
 # on the GPU the CPU reference of 1x32x8192x128 attention would take minutes: a smaller one, still past 48 KiB
-GPU_SHAPES = {"attention_past_48_kib": "1,2,300,128"}
+GPU_SHAPES = {"attention_past_48_kib": "1,2,300,128", "attention_tensor_maps": "1,2,300,128"}
+
+
+def _build_arch(text: str) -> str:
+    """The target flag of the header's build line: the sm_90a cubin for a kernel of Hopper's own instructions."""
+    return re.search(r"^// build: nvcc -c (\S+) ", text, re.M).group(1)
 
 
 def _host_variant(case: str, target: Target | None = None, shape: str | None = None):
@@ -221,7 +231,10 @@ def test_the_header_and_the_host_launcher_say_how_each_kernel_is_launched(case):
     assert prototype.endswith("cudaStream_t stream)")
     assert ("void* workspace" in prototype) == bool(variant.workspace_bytes)
     big = [l for l in variant.launches if l.shared_mem > 48 * 1024]
-    assert bool(big) == (case == "attention_past_48_kib")
+    assert bool(big) == case.startswith("attention")
+    assert _build_arch(text) == ("-gencode=arch=compute_90a,code=sm_90a" if case == "attention_tensor_maps"
+                                 else "-arch=sm_90")
+    assert ("CUtensorMap" in text and "link with -lcuda" in header) == (case == "attention_tensor_maps")
     for launch in variant.launches:
         attribute = (f"cudaFuncSetAttribute({launch.kernel}, cudaFuncAttributeMaxDynamicSharedMemorySize, "
                      f"{launch.shared_mem})")
@@ -233,7 +246,7 @@ def test_the_header_and_the_host_launcher_say_how_each_kernel_is_launched(case):
             grid = ", ".join(f"{d}u" for d in launch.grid)
             assert f"{launch.kernel}<<<dim3({grid}), " in host and f", {launch.shared_mem}, stream>>>(" in host
     assert host.index(variant.launches[0].kernel + "<<<" if not variant.launches[0].cooperative
-                      else "cudaLaunchCooperativeKernel") < host.index("return cudaSuccess;")
+                      else "cudaLaunchCooperativeKernel") < host.rindex("return cudaSuccess;")
     if len(variant.launches) == 2:
         assert host.index("softmax_partials<<<") < host.index("softmax_finish<<<"), "in order"
     if case.startswith("softmax"):
@@ -255,9 +268,10 @@ def test_the_exported_file_with_its_host_launcher_compiles_with_nvcc(tmp_path, c
     if nvcc is None:
         pytest.skip("nvcc not found")
     cu = tmp_path / f"{case}.cu"
-    cu.write_text(standalone_source(_host_variant(case), None))
+    text = standalone_source(_host_variant(case), None)
+    cu.write_text(text)
     obj = tmp_path / f"{case}.o"
-    build = subprocess.run([nvcc, "-c", "-arch=sm_90", "-std=c++17", "--use_fast_math", "-DAUTOSOFT_HOST_LAUNCH",
+    build = subprocess.run([nvcc, "-c", _build_arch(text), "-std=c++17", "--use_fast_math", "-DAUTOSOFT_HOST_LAUNCH",
                             str(cu), "-o", str(obj)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     symbols = obj.read_bytes()
@@ -370,9 +384,9 @@ def test_the_host_launcher_computes_the_right_thing_on_the_gpu(tmp_path, case):
               .replace("ARGS", ", ".join(args)).replace("DOWNLOADS", "\n".join(downloads)))
     (tmp_path / "kernel.cu").write_text(text)
     (tmp_path / "main.cpp").write_text(driver)
-    arch = variant.target.arch
-    build = subprocess.run([nvcc, f"-arch=sm_{arch}", "-std=c++17", "--use_fast_math", "-DAUTOSOFT_HOST_LAUNCH",
-                            "kernel.cu", "main.cpp", "-o", "run"], cwd=tmp_path, capture_output=True, text=True,
+    link = ["-lcuda"] if "link with -lcuda" in text else []  # the launcher encodes tensor maps
+    build = subprocess.run([nvcc, _build_arch(text), "-std=c++17", "--use_fast_math", "-DAUTOSOFT_HOST_LAUNCH",
+                            "kernel.cu", "main.cpp", "-o", "run", *link], cwd=tmp_path, capture_output=True, text=True,
                            timeout=300)
     assert build.returncode == 0, build.stderr
     ran = subprocess.run(["./run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

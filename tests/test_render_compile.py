@@ -413,3 +413,34 @@ def test_clusters_of_more_than_eight_blocks_opt_in_and_stop_at_sixteen():
     assert build_variant(SOFTMAX, problem, _split_params(problem, target, "cluster", 8), target).launches[0].cluster_blocks == 8
     assert not SOFTMAX.is_valid(problem, target, _split_params(problem, target, "cluster", 32, threads=1024))
     assert not SOFTMAX.is_valid(problem, Target.for_arch("80"), _split_params(problem, target, "cluster", 16))
+
+
+# --- sources of one architecture's own instructions (sm_90a) ------------------------------------
+
+_SETMAXNREG = """
+extern "C" __global__ void __launch_bounds__(BOUNDS) k(float* x) {
+  if (threadIdx.x < 128) { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory"); return; }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+  x[threadIdx.x] = 1.f;
+}
+"""
+
+
+def test_a_marked_source_compiles_for_sm90a_and_an_unmarked_one_for_sm90():
+    from autosoft.compile import ARCH_SPECIFIC
+
+    good = _SETMAXNREG.replace("BOUNDS", "384, 1")
+    assert compile_source(ARCH_SPECIFIC + "\n" + good, "90").ok
+    plain = compile_source(good, "90")
+    assert not plain.ok and "not supported on .target 'sm_90'" in plain.log, "no mark: plain sm_90, no setmaxnreg"
+    assert source_digest(ARCH_SPECIFIC + "\n" + good, "90") != source_digest(good, "90")
+
+
+def test_a_kernel_whose_setmaxnreg_ptxas_ignores_is_rejected():
+    """Without a minimum block count in __launch_bounds__, ptxas ignores setmaxnreg (C7508) and the
+    consumer warpgroups would run on a third of their registers: that variant fails to compile."""
+    from autosoft.compile import ARCH_SPECIFIC
+
+    result = compile_source(ARCH_SPECIFIC + "\n" + _SETMAXNREG.replace("BOUNDS", "384"), "90")
+    assert not result.ok and result.cubin == b""
+    assert result.log.startswith("rejected: ptxas would run this kernel degraded") and "C7508" in result.log
