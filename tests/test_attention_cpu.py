@@ -143,7 +143,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
@@ -376,7 +376,7 @@ def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
 # --- the wgmma engine (sm_90a) ------------------------------------------------------------------
 
 WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1,
-         "blocks_per_sm": 1}
+         "blocks_per_sm": 1, "lpt": False}
 
 
 def test_wgmma_variant_name_and_launch_take_tensor_maps():
