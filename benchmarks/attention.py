@@ -39,6 +39,8 @@ from autosoft.timing import rotation_count, time_gpu  # noqa: E402
 from autosoft.tune import tuned_kernel  # noqa: E402
 from autosoft.kernel_store import default_store  # noqa: E402
 
+from provenance import commit  # noqa: E402
+
 SHAPES = [(1, 32, 8192, 64), (4, 16, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (2, 16, 16384, 128),
           (16, 16, 512, 64)]
 DTYPES = ("float16", "bfloat16")
@@ -208,7 +210,8 @@ def main() -> int:
     problems = [FAMILY.problem(",".join(map(str, s)), d, f) for s in shapes for d in args.dtypes.split(",")
                 for f in flag_sets]
     device = device_info()
-    result: dict = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version}
+    result: dict = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
+                    "commit": commit()}
 
     if args.sweep:
         result["sweeps"] = []
