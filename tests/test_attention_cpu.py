@@ -143,7 +143,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
@@ -376,7 +376,7 @@ def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
 # --- the wgmma engine (sm_90a) ------------------------------------------------------------------
 
 WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1,
-         "blocks_per_sm": 1, "lpt": False}
+         "blocks_per_sm": 1, "lpt": False, "persistent": False}
 
 
 def test_wgmma_variant_name_and_launch_take_tensor_maps():
@@ -386,12 +386,18 @@ def test_wgmma_variant_name_and_launch_take_tensor_maps():
     assert v.name == "attention_bf16_d128_causal_g4_wgmma_m128_n176_s2_ov_pp"
     (launch,) = v.launches
     assert launch.grid == (8, 16, 2) and launch.block == (384, 1, 1), "a producer and two consumer warpgroups"
-    assert launch.shared_mem == 2 * 128 * (128 + 2 * 2 * 176) + 1024 + 8 * (1 + 4 * 2)
+    assert launch.shared_mem == 2 * 128 * (128 + 2 * 2 * 176) + 1024 + 8 * (2 + 4 * 2)
     q, k, val = launch.args[:3]
     assert q == TensorMap("q", (2, 16, 1000, 128), (1, 1, 128, 64), "bfloat16")
     assert k == TensorMap("k", (2, 4, 3000, 128), (1, 1, 176, 64), "bfloat16") and val == TensorMap(
         "v", (2, 4, 3000, 128), (1, 1, 176, 64), "bfloat16")
-    assert launch.args[3:] == ("o", "lse", "scale") and v.workspace_bytes == 0
+    assert launch.args[3:] == ("o", "lse", "scale", 16, 2) and v.workspace_bytes == 0, "heads and batch as ints"
+    with pytest.raises(UserError, match="must fit in shared memory"):  # a second Q buffer does not fit beside them
+        build_variant(FAMILY, problem, {**params, "persistent": True}, Target.for_arch("90"))
+    persistent = build_variant(FAMILY, problem, {**params, "block_n": 128, "persistent": True}, Target.for_arch("90"))
+    (launch,) = persistent.launches
+    assert persistent.name.endswith("_n128_s2_ov_pp_pers") and launch.grid == (132, 1, 1), "one block per SM walks the tiles"
+    assert launch.shared_mem == 2 * 128 * (2 * 128 + 2 * 2 * 128) + 1024 + 8 * (4 + 4 * 2), "Q double-buffered"
     assert q.stride_names == ("q_stride0", "q_stride1", "q_stride2")
     assert ARCH_SPECIFIC in v.source and "setmaxnreg.inc.sync.aligned.u32 240" in v.source
 

@@ -201,7 +201,8 @@ class AttentionFamily(Family):
         if p.get("engine") == "wgmma":  # its other parameters keep one value (the space's constraint)
             return (name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
                     + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else "")
-                    + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else ""))
+                    + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else "")
+                + ("_pers" if p.get("persistent") else ""))
         name += (f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
                  f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
@@ -231,6 +232,7 @@ class AttentionFamily(Family):
                 "single_length": False, "engine": values.get("engine", "mma"),
                 "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
                 "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
+                "persistent": bool(values.get("persistent", False)),
                 "lpt_heads": self._lpt_heads(problem, values)}
 
     @staticmethod
@@ -250,8 +252,11 @@ class AttentionFamily(Family):
             maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, 64), problem.dtype),
                     TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
                     TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype))
-            return (Launch("attention_fwd", (-(-n // block_m), h, b), (128 * (block_m // 64 + 1), 1, 1),
-                           values["smem_bytes"], (*maps, "o", "lse", "scale")),), 0
+            tiles = -(-n // block_m) * h * b
+            grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
+                if values.get("persistent") else (-(-n // block_m), h, b)
+            return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"],
+                           (*maps, "o", "lse", "scale", np.int32(h), np.int32(b))),), 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
         rows = (h // kv_heads) * n if pack else n
         m_blocks = -(-rows // values["block_m"])
@@ -271,10 +276,12 @@ class AttentionFamily(Family):
         two consumer warpgroups of 64 rows, both FlashAttention-3 schedules (overlap, ping-pong),
         128-key tiles (80 for D = 256, where shared memory is short), two stages; for D = 64 three
         consumers (192 rows) without ping-pong, and up to 1024 queries one consumer of 64 rows in
-        blocks two of which share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster). Among the variants timed on an H200 (bf16, at
-        4x16x4096x128, 8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal,
-        4x16x4096x256 causal and 3x7x1000x64 fp16) these were the best or within 2 % of it, and
-        1.6 to 2.2 times the mma kernel's default. Decoding keeps the mma kernel (below).
+        blocks two of which share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster).
+        Without a mask the blocks are persistent; causal with at most 32 heads orders the tiles
+        longest first across heads. Among the variants timed on an H200 (bf16: 4x16x4096x128,
+        8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
+        16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
+        and 1.6 to 2.2 times the mma kernel's default. Decoding keeps the mma kernel (below).
 
         Otherwise the mma kernel. Many queries per head: 4 warps of 32 query rows each (two mma tiles share every K/V
         fragment read from shared memory), 64 keys per tile, a two-stage pipeline, swizzled rows;
@@ -303,9 +310,13 @@ class AttentionFamily(Family):
         group = h // _kv(problem)[0]
         if "engine" not in self.space.names or target.arch != "90" or (self._splits and group * n <= 64):
             return None
+        # persistent blocks overlap a tile's loads with the previous tile's end: 3 to 15 % faster
+        # without a mask (16x16x512x64, 4x16x1024x128, 4x16x4096x128); with causal's tiles of
+        # unequal length the static share of tiles per block loses as much
+        persistent = "causal" not in problem.flags
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
             p: dict[str, ParamValue] = {"engine": "wgmma", "overlap": True, "pingpong": False, "blocks_per_sm": 2,
-                                        "lpt": False,
+                                        "lpt": False, "persistent": persistent,
                                         "block_m": 64, "block_n": 128, "warps": 4, "key_warps": 1, "stages": 2,
                                         "layout": "swizzle", "q_in": "smem", "pack": False, "splits": 1}
             if self._valid_point(problem, target, p):
@@ -315,6 +326,7 @@ class AttentionFamily(Family):
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
         lpt = "causal" in problem.flags and b * h <= 32
         p = {"engine": "wgmma", "overlap": True, "pingpong": not wide, "blocks_per_sm": 1, "lpt": lpt,
+             "persistent": persistent,
                                     "block_m": 192 if wide else 128,
                                     "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "stages": 2,
                                     "layout": "swizzle", "q_in": "smem", "pack": False, "splits": 1}
@@ -381,7 +393,7 @@ class AttentionFamily(Family):
         if "engine" not in self.space.names:
             return ()
         fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
-                 "pack": False, "splits": 1, "blocks_per_sm": 1, "lpt": False}
+                 "pack": False, "splits": 1, "blocks_per_sm": 1, "lpt": False, "persistent": False}
         # (block_m, block_n, stages, overlap, pingpong)
         points = ((128, 128, 2, True, True), (128, 128, 3, True, True), (128, 176, 2, True, True),
                   (192, 128, 2, True, False), (128, 128, 2, False, False), (128, 80, 2, True, True),
@@ -394,9 +406,14 @@ class AttentionFamily(Family):
                 "blocks_per_sm": 2})
         points = tuple({**fixed, "block_m": m, "block_n": n, "stages": st, "overlap": ov, "pingpong": pp}
                        for m, n, st, ov, pp in points) + two
+        # the default's tiles and the short-row pair again, persistent
+        points += ({**fixed, "block_m": 128, "block_n": 128, "stages": 2, "overlap": True, "pingpong": True,
+                    "persistent": True}, {**two[0], "persistent": True},
+                   {**fixed, "block_m": 192, "block_n": 128, "stages": 2, "overlap": True, "pingpong": False,
+                    "persistent": True})
         if "causal" in problem.flags:  # each of the first points again, longest first across heads
             points = tuple(p for pair in zip(points[:6], ({**p, "lpt": True} for p in points[:6])) for p in pair) \
-                + points[6:]
+                + points[6:] + tuple({**p, "lpt": True} for p in points[-3:])
         return points
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
@@ -410,7 +427,8 @@ class AttentionFamily(Family):
     @property
     def _mma(self) -> dict[str, ParamValue]:
         """{"engine": "mma"} where the space has engines (a family that extends the kernel may not)."""
-        return {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False} \
+        return {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
+                "persistent": False} \
             if "engine" in self.space.names else {}
 
     @property
