@@ -218,8 +218,11 @@ def _own(spec: BatchSpec, problem: Problem, lease: Any, board: Board, runner: Ru
         time.sleep(spec.poll_s)
     measured = resumed_trials(search, family, problem, target)
     ok = [m for m in measured if m.outcome.ok]
-    best = confirm_best(family, runner, measured, timeout_s) or (
-        min(ok, key=lambda m: m.outcome.time_us) if ok else None)
+    confirmed = confirm_best(family, runner, measured, timeout_s, default)
+    if confirmed:
+        best, default = confirmed[0], confirmed[1] or default
+    else:
+        best = min(ok, key=lambda m: m.outcome.time_us) if ok else None
     copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
     peak = runner.peak_tflops() if family.flops(problem) else None
     if peak is not None:

@@ -9,7 +9,7 @@ trials. tune() is the parts below, in order:
 - measure_default: the family's default first; it sets the watchdog and the baseline;
 - run_trials: the evaluation loop, search <-> runner, keeping `runner.depth` candidates in flight;
 - Ledger: the bookkeeping of each finished trial (study, trial log, best, progress);
-- confirm_best: the fastest few re-timed side by side decide the winner;
+- confirm_best: the fastest few and the default, re-timed side by side, decide the winner and its speed-up;
 - store_entry: the cache write; only a correct variant can become the entry.
 
 Each evaluated variant, failures included, is recorded in the cache file's trial log and in
@@ -116,7 +116,8 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, r
         default = measure_default(family, problem, target, runner, search, ledger, seed, watchdog.cap_s)
         timeout_s = watchdog.limit(default.outcome.time_us, evaluation_launches(family))
         run_trials(family, problem, target, runner, search, ledger, trials, seed, timeout_s)
-        best = confirm_best(family, runner, ledger.measured, timeout_s) or ledger.best
+        confirmed = confirm_best(family, runner, ledger.measured, timeout_s, default)
+        best, default = (confirmed[0], confirmed[1] or default) if confirmed else (ledger.best, default)
         copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
         peak = runner.peak_tflops() if family.flops(problem) else None
         if peak is not None:  # kept with the study: `autosoft report --storage` draws the bound
@@ -315,10 +316,17 @@ def finalists(measured: list[Measured], count: int = FINALISTS) -> list[Measured
     return out
 
 
-def confirm_best(family: Family, runner: Runner, measured: list[Measured], timeout_s: float) -> Measured | None:
-    """Re-time the finalists side by side and return the fastest, with that time; None when
-    there is nothing to choose between or the re-timing failed (the search's best stands)."""
+def confirm_best(family: Family, runner: Runner, measured: list[Measured], timeout_s: float,
+                 default: Measured | None = None) -> tuple[Measured, Measured | None] | None:
+    """Re-time the finalists side by side, the default among them (when correct), and return the
+    fastest and the default, each with its time from that round, so that the winner's speed-up
+    over the default compares one measurement with another of the same round (a winner re-timed
+    against the default's own trial could come out a hair slower than the variant it replaces).
+    None when there is nothing to choose between or the re-timing failed (the search's best and
+    the default's trial stand)."""
     chosen = finalists(measured)
+    if default is not None and default.outcome.ok and all(m.variant.name != default.variant.name for m in chosen):
+        chosen.append(default)
     if len(chosen) < 2:
         return None
     times = runner.time_side_by_side(family, [m.variant for m in chosen], timeout_s * len(chosen))
@@ -327,7 +335,9 @@ def confirm_best(family: Family, runner: Runner, measured: list[Measured], timeo
     if len(times) != len(chosen):
         raise RuntimeError(f"{type(runner).__name__}.time_side_by_side gave {len(times)} times for {len(chosen)} variants")
     t, m = min(zip(times, chosen), key=lambda pair: pair[0])
-    return Measured(m.variant, Outcome(Status.OK, time_us=t))
+    retimed = next((Measured(c.variant, Outcome(Status.OK, time_us=tc)) for tc, c in zip(times, chosen)
+                    if default is not None and c.variant.name == default.variant.name), None)
+    return Measured(m.variant, Outcome(Status.OK, time_us=t)), retimed
 
 
 def make_entry(family: Family, problem: Problem, device: DeviceInfo, best: Measured, default: Measured,

@@ -184,11 +184,16 @@ def test_the_finalists_retimed_side_by_side_decide_the_stored_entry(tmp_path):
     cache = Cache(tmp_path / "k.sqlite")
     report = tune(SOFTMAX, problem, 12, cache, runner=runner, seed=0)
     expected = [r["params"] for r in fastest_recorded(problem, among=runner.evaluated)[:FINALISTS]]
-    assert runner.asked == expected, "the fastest few of the search, fastest first"
+    default = dict(report.default.variant.params)
+    if default not in expected:  # the default joins the round, last, so its speed-up is of one round
+        expected.append(default)
+    assert runner.asked == expected, "the fastest few of the search, fastest first, then the default"
     assert dict(report.best.variant.params) == expected[-1]
-    assert report.best.outcome.time_us == 50.0 - (FINALISTS - 1)
+    assert report.best.outcome.time_us == 50.0 - (len(expected) - 1)
+    assert report.default.outcome.time_us == 50.0 - expected.index(default), "the default's time of that round"
     (entry,) = cache.entries()
-    assert dict(entry.params) == expected[-1] and entry.time_us == 50.0 - (FINALISTS - 1)
+    assert dict(entry.params) == expected[-1] and entry.time_us == 50.0 - (len(expected) - 1)
+    assert entry.default_time_us == report.default.outcome.time_us
 
     # when the re-timing fails, the search's best stands with its own time
     runner = RetimingFails(RECORDING, problem)
