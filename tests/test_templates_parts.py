@@ -172,6 +172,11 @@ def _one_point_per_strategy():
         problem = attention.problem("1x2x77x32", "bfloat16", flags)
         target = Target.for_arch("80")
         picks.append((attention, problem, target, attention.default_params(problem, target)))
+    problem = attention.problem("1x2x300x64", "bfloat16", ("causal",))  # the Hopper engine (wgmma, TMA)
+    target = Target.for_arch("90")
+    params = attention.default_params(problem, target)
+    assert params["engine"] == "wgmma"
+    picks.append((attention, problem, target, params))
     for way in ("fused", "key_major"):
         problem = colsum.problem("1x2x77x64", "float16", {"split": 40})
         target = Target.for_arch("90")
