@@ -443,3 +443,60 @@ def test_wgmma_sass_has_warpgroup_mma_and_tensor_memory_copies(tmp_path):
     sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
     for op in ("HGMMA.64x128x16.F32.BF16", "UTMALDG.4D", "SYNCS", "MUFU.EX2", "USETMAXREG"):
         assert op in sass, op
+
+
+class _FakeEncoder:
+    """Stands in for libcuda's cuTensorMapEncodeTiled: records what it is given, writes a pattern."""
+
+    def __init__(self, result: int = 0):
+        self.calls, self.result = [], result
+
+    @property
+    def cuTensorMapEncodeTiled(self):  # noqa: N802 - the driver's name
+        import ctypes
+
+        def encode(out, dtype, rank, address, dims, strides, box, ones, interleave, swizzle, l2, oob):
+            self.calls.append({"aligned": out.value % 64 == 0, "dtype": dtype, "rank": rank, "address": address.value,
+                               "dims": list(dims), "strides": list(strides), "box": list(box), "ones": list(ones),
+                               "modes": (interleave, swizzle, l2, oob)})
+            ctypes.memmove(out.value, bytes(range(128)), 128)
+            return self.result
+        return encode
+
+
+def test_tensor_maps_are_encoded_innermost_first_with_byte_strides(monkeypatch):
+    from autosoft import runtime
+
+    fake = _FakeEncoder()
+    monkeypatch.setattr(runtime, "_libcuda", lambda: fake)
+    q = TensorMap("q", (2, 16, 1000, 128), (1, 1, 128, 64), "bfloat16")
+    # a (B, N, H, D) view transposed to (B, H, N, D): strides (N*H*D, D, H*D) elements
+    encoded = runtime.encode_tensor_map(q, 0x7F0000001000, (1000 * 16 * 128, 128, 16 * 128))
+    assert encoded == bytes(range(128))
+    (call,) = fake.calls
+    assert call["aligned"] and call["dtype"] == 9 and call["rank"] == 4 and call["address"] == 0x7F0000001000
+    assert call["dims"] == [128, 1000, 16, 2] and call["box"] == [64, 128, 1, 1] and call["ones"] == [1, 1, 1, 1]
+    assert call["strides"] == [16 * 128 * 2, 128 * 2, 1000 * 16 * 128 * 2], "N, H, B strides in bytes"
+    assert call["modes"] == (0, 3, 2, 0), "no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill"
+
+
+def test_a_dimension_of_one_takes_a_contiguous_stride_and_none_means_contiguous(monkeypatch):
+    from autosoft import runtime
+
+    fake = _FakeEncoder()
+    monkeypatch.setattr(runtime, "_libcuda", lambda: fake)
+    k = TensorMap("k", (1, 1, 300, 64), (1, 1, 64, 64), "float16")
+    runtime.encode_tensor_map(k, 4096, (3, 5, 64))  # torch may give any stride to a dimension of one
+    runtime.encode_tensor_map(k, 4096, None)
+    first, second = fake.calls
+    assert first["strides"] == second["strides"] == [64 * 2, 300 * 64 * 2, 300 * 64 * 2]
+    assert first["dtype"] == 6
+
+
+def test_a_refused_tensor_map_is_an_error_naming_the_array(monkeypatch):
+    from autosoft import runtime
+
+    monkeypatch.setattr(runtime, "_libcuda", lambda: _FakeEncoder(result=1))
+    v = TensorMap("v", (1, 2, 300, 64), (1, 1, 64, 64), "bfloat16")
+    with pytest.raises(RuntimeError, match=r"cuTensorMapEncodeTiled refused the map of v .*CUresult 1"):
+        runtime.encode_tensor_map(v, 4104, None)
