@@ -295,14 +295,8 @@ class AttentionFamily(Family):
         four warps per block that split every 64-key tile among them (their rows: the group's
         query heads packed, 16 to 64 rows), three tiles in flight, and the keys split among enough
         blocks to give every SM two."""
-        b, h, n, d = problem.shape
-        kv_heads, kv_len = _kv(problem)
-        group = h // kv_heads
-        q_in = "registers" if d <= 64 else "smem"
         hopper = self._hopper_default(problem, target)
-        if hopper is not None:
-            return hopper
-        return self._mma_default(problem, target)
+        return hopper if hopper is not None else self._mma_default(problem, target)
 
     def _hopper_default(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
         """The wgmma default where it is valid (sm_90, D of 64, 128 or 256, more than 64 rows), else None."""
@@ -313,23 +307,19 @@ class AttentionFamily(Family):
         # persistent blocks overlap a tile's loads with the previous tile's end: 3 to 15 % faster
         # without a mask (16x16x512x64, 4x16x1024x128, 4x16x4096x128); with causal's tiles of
         # unequal length the static share of tiles per block loses as much
-        persistent = "causal" not in problem.flags
+        base: dict[str, ParamValue] = {
+            "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "stages": 2,
+            "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
+            "pack": False, "splits": 1}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
-            p: dict[str, ParamValue] = {"engine": "wgmma", "overlap": True, "pingpong": False, "blocks_per_sm": 2,
-                                        "lpt": False, "persistent": persistent,
-                                        "block_m": 64, "block_n": 128, "warps": 4, "key_warps": 1, "stages": 2,
-                                        "layout": "swizzle", "q_in": "smem", "pack": False, "splits": 1}
+            p = {**base, "block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
             if self._valid_point(problem, target, p):
                 return p
         wide = d == 64 and n > 96  # three consumer warpgroups
         # causal with few heads: the tail of light tiles weighs, so order longest first across heads
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
-        lpt = "causal" in problem.flags and b * h <= 32
-        p = {"engine": "wgmma", "overlap": True, "pingpong": not wide, "blocks_per_sm": 1, "lpt": lpt,
-             "persistent": persistent,
-                                    "block_m": 192 if wide else 128,
-                                    "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "stages": 2,
-                                    "layout": "swizzle", "q_in": "smem", "pack": False, "splits": 1}
+        p = {**base, "block_m": 192 if wide else 128, "pingpong": not wide, "blocks_per_sm": 1,
+             "lpt": "causal" in problem.flags and b * h <= 32}
         return p if self._valid_point(problem, target, p) else None
 
     def _mma_default(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
