@@ -264,9 +264,7 @@ def _encode_map(tmap: TensorMap, check: str) -> list[str]:
     dimension of one element takes the contiguous stride, as the runtime does."""
     itemsize = ITEMSIZE[tmap.dtype]
     rank = len(tmap.shape)
-    packed = [1] * rank
-    for d in range(rank - 2, -1, -1):
-        packed[d] = packed[d + 1] * tmap.shape[d + 1]
+    packed = tmap.contiguous_strides
     strides = [f"{packed[d] * itemsize}ull" if tmap.shape[d] == 1 else f"(cuuint64_t){tmap.stride_names[d]} * {itemsize}"
                for d in reversed(range(rank - 1))]
     return [

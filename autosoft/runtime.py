@@ -103,6 +103,7 @@ class LoadedVariant:
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
         self._launchers: dict[tuple, Callable[..., None]] = {}  # launch_raw's, by (names, scalar names)
+        self._maps: dict[tuple, bytes] = {}    # encoded tensor maps, by (map, address, strides)
         self._stride_args = tuple(dict.fromkeys(
             [a for l in variant.launches for a in l.args if isinstance(a, str) and _STRIDE.fullmatch(a)]
             + [name for l in variant.launches for a in l.args if isinstance(a, TensorMap) for name in a.stride_names]))
@@ -251,10 +252,6 @@ class LoadedVariant:
             encoded = self._maps[key] = encode_tensor_map(tmap, pointer, strides)
         return encoded
 
-    @functools.cached_property
-    def _maps(self) -> dict[tuple, bytes]:
-        return {}
-
     def _workspace(self, stream_ptr: int) -> int:
         held = self._workspaces.get(stream_ptr)
         if held is None:
@@ -349,10 +346,8 @@ def encode_tensor_map(tmap: TensorMap, pointer: int, strides: tuple[int, ...] | 
 
     itemsize = ITEMSIZE[tmap.dtype]
     shape = tmap.shape
-    packed = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        packed[d] = packed[d + 1] * shape[d + 1]
-    given = list(strides) if strides is not None else packed[:-1]
+    packed = tmap.contiguous_strides
+    given = strides if strides is not None else packed
     steps = [packed[d] if shape[d] == 1 else given[d] for d in range(len(shape) - 1)]
     rank = len(shape)
     dims = (ctypes.c_uint64 * rank)(*reversed(shape))

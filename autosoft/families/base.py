@@ -124,6 +124,15 @@ class TensorMap:
     def stride_names(self) -> tuple[str, ...]:
         return tuple(f"{self.array}_stride{i}" for i in range(len(self.shape) - 1))
 
+    @property
+    def contiguous_strides(self) -> tuple[int, ...]:
+        """The strides (elements, every dimension but the last, outermost first) of the array laid
+        out contiguously: what a dimension of one element is given, whatever its own stride."""
+        strides = [1]
+        for size in reversed(self.shape[1:]):
+            strides.append(strides[-1] * size)
+        return tuple(reversed(strides[1:]))
+
 
 @dataclass(frozen=True)
 class Launch:
