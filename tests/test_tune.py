@@ -1,10 +1,19 @@
-"""CPU tier: how the tuner picks the variants it re-times at the end of a search."""
+"""CPU tier: how the tuner picks the variants it re-times at the end of a search, and how it
+records a trial."""
 from __future__ import annotations
 
+import signal
+
+import pytest
+from optuna.trial import TrialState
+
+from autosoft.cache import Cache
 from autosoft.evaluate import Outcome, Status
 from autosoft.families import get_family
-from autosoft.families.base import Problem, Target, build_variant
-from autosoft.tune import FINALISTS, Measured, finalists
+from autosoft.families.base import Problem, Target, build_variant, space_of
+from autosoft.runtime import DeviceInfo
+from autosoft.search import Search
+from autosoft.tune import FINALISTS, Ledger, Measured, finalists
 
 
 def _measured(threads: int, status: Status, time_us: float | None) -> Measured:
@@ -35,3 +44,29 @@ def test_finalists_are_capped_and_empty_without_a_correct_trial():
     assert len(finalists(trials)) == min(FINALISTS, 4)
     assert finalists(trials, count=2)[1].variant.params["threads"] == 256
     assert finalists([_measured(128, Status.WRONG, None)]) == []
+
+
+def test_ctrl_c_between_the_writes_of_a_trial_comes_after_the_trial_is_recorded(tmp_path):
+    """A Ctrl-C while a trial is being recorded (its attributes written, not yet its state) used
+    to leave a running trial that carried a result: --resume took it for a dead worker's and
+    measured the point again. Now the interruption waits until the trial is whole."""
+    m = _measured(256, Status.OK, 20.0)
+    search = Search(space_of(get_family("softmax")), [dict(m.variant.params)])
+    search.claim(m.variant.params)
+    write_attr = search._storage.set_trial_user_attr
+
+    def interrupted_write(trial_id, key, value):
+        write_attr(trial_id, key, value)
+        if key == "status":
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, between the status and the state
+
+    search._storage.set_trial_user_attr = interrupted_write
+    cache = Cache(tmp_path / "k.sqlite")
+    device = DeviceInfo(0, Target.for_arch("90"), "13.0")
+    ledger = Ledger(search, cache, m.variant.problem, device, 1, None, default_params=m.variant.params)
+    with pytest.raises(KeyboardInterrupt):
+        ledger.record(m)
+    [trial] = search.study.get_trials()
+    assert trial.state == TrialState.COMPLETE and trial.value == 20.0 and trial.user_attrs["status"] == "ok"
+    assert len(list(cache.trials())) == 1, "the trial log has the trial too"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
