@@ -125,7 +125,7 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     colsum = build_variant(FAMILY, problem, params, TARGET).source
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
     attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "engine": "mma",
-                                                             "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, **{
+                                                             "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, **{
         k: params[k] for k in space_of(ATTENTION).names if k in params}}, TARGET).source
     assert _main_loop(colsum).startswith(_main_loop(attention))
     assert colsum.count("// S = Q K^T (raw scores, fp32)") == 2, "qk_scores is rendered again for the second pass"

@@ -143,7 +143,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
@@ -376,7 +376,7 @@ def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
 # --- the wgmma engine (sm_90a) ------------------------------------------------------------------
 
 WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1,
-         "blocks_per_sm": 1, "lpt": False, "persistent": False}
+         "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False}
 
 
 def test_wgmma_variant_name_and_launch_take_tensor_maps():
@@ -398,6 +398,15 @@ def test_wgmma_variant_name_and_launch_take_tensor_maps():
     (launch,) = persistent.launches
     assert persistent.name.endswith("_n128_s2_ov_pp_pers") and launch.grid == (132, 1, 1), "one block per SM walks the tiles"
     assert launch.shared_mem == 2 * 128 * (2 * 128 + 2 * 2 * 128) + 1024 + 8 * (4 + 4 * 2), "Q double-buffered"
+    with pytest.raises(UserError, match="only persistent blocks take more than one tile"):
+        build_variant(FAMILY, problem, {**params, "block_n": 128, "queue": True}, Target.for_arch("90"))
+    queued = build_variant(FAMILY, problem, {**params, "block_n": 128, "persistent": True, "queue": True},
+                           Target.for_arch("90"))
+    (launch,) = queued.launches
+    assert queued.name.endswith("_n128_s2_ov_pp_pers_queue") and launch.grid == (132, 1, 1)
+    assert launch.args[-1] == "workspace" and queued.workspace_bytes == 8, "the tile counter and the blocks done"
+    assert launch.shared_mem == persistent.launches[0].shared_mem + 8, "the Q buffers' tile numbers"
+    assert "atomicAdd(queue, 1)" in queued.source and "atomicAdd" not in persistent.source
     assert q.stride_names == ("q_stride0", "q_stride1", "q_stride2")
     assert ARCH_SPECIFIC in v.source and "setmaxnreg.inc.sync.aligned.u32 240" in v.source
 

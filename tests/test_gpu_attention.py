@@ -84,6 +84,32 @@ def test_every_variant_of_a_tail_problem_is_correct():
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("shape, options", [
+    ("2,16,1000,128", {"causal": True}),
+    ("1,32,2048,64", {"causal": True, "kv_heads": 8}),
+    ("3,4,777,128", {"kv_len": 3333, "causal": True, "window_left": 200}),
+])
+def test_persistent_blocks_taking_tiles_from_a_queue_are_right_launch_after_launch(shape, options):
+    """wgmma blocks that take their tiles from a counter in the workspace: every tile is computed
+    once in each of several launches on fresh inputs (the last block out sets the counter back to
+    zero; if it did not, the second launch would leave all but each block's first tile unwritten)."""
+    from autosoft.runtime import LoadedVariant
+
+    if _target().arch != "90":
+        pytest.skip("the wgmma kernel needs sm_90a")
+    problem = FAMILY.problem(shape, "bfloat16", options)
+    default = FAMILY.default_params(problem, _target())
+    points = [p for p in FAMILY.seed_params(problem, _target()) if p.get("queue")][:3]
+    assert points and default["engine"] == "wgmma"
+    variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
+    for variant, result in zip(variants, _compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        loaded = LoadedVariant(variant, result.cubin)
+        for seed in (1, 2, 3):
+            wrong = verify(FAMILY, loaded, seed=seed)
+            assert not wrong, f"{variant.name}, launch {seed}: {wrong}"
+
+
 def test_scale_is_a_runtime_argument():
     import cupy as cp
 

@@ -202,7 +202,7 @@ class AttentionFamily(Family):
             return (name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
                     + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else "")
                     + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else "")
-                + ("_pers" if p.get("persistent") else ""))
+                + ("_pers" if p.get("persistent") else "") + ("_queue" if p.get("queue") else ""))
         name += (f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
                  f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
@@ -232,7 +232,7 @@ class AttentionFamily(Family):
                 "single_length": False, "engine": values.get("engine", "mma"),
                 "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
                 "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
-                "persistent": bool(values.get("persistent", False)),
+                "persistent": bool(values.get("persistent", False)), "queue": bool(values.get("queue", False)),
                 "lpt_heads": self._lpt_heads(problem, values)}
 
     @staticmethod
@@ -255,8 +255,11 @@ class AttentionFamily(Family):
             tiles = -(-n // block_m) * h * b
             grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
                 if values.get("persistent") else (-(-n // block_m), h, b)
-            return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"],
-                           (*maps, "o", "lse", "scale", np.int32(h), np.int32(b))),), 0
+            args_w: tuple[Any, ...] = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b))
+            if values.get("queue"):  # the tile counter and the count of blocks done (the last resets both)
+                return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"],
+                               (*args_w, "workspace")),), 8
+            return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
         rows = (h // kv_heads) * n if pack else n
         m_blocks = -(-rows // values["block_m"])
@@ -308,7 +311,7 @@ class AttentionFamily(Family):
         # without a mask (16x16x512x64, 4x16x1024x128, 4x16x4096x128); with causal's tiles of
         # unequal length the static share of tiles per block loses as much
         base: dict[str, ParamValue] = {
-            "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "stages": 2,
+            "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "queue": False, "stages": 2,
             "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
             "pack": False, "splits": 1}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
@@ -352,8 +355,11 @@ class AttentionFamily(Family):
         return self._first_valid(problem, target, p)
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Neighbours of the mma default that are often better, and on sm_90 the wgmma points
-        (`_wgmma_points`): the tuner tries these first. The default itself is not among them."""
+        """Neighbours of the default that are often better: the tuner tries these first, in this
+        order, so a short tune spends its trials on the likely winners. Where the default is the
+        wgmma kernel, the wgmma points (`_wgmma_points`) come first and the mma kernel's default and
+        its neighbours after them (1.6 to 2.2 times slower there); elsewhere the mma neighbours, then
+        the wgmma points (which the space drops off sm_90). The default itself is not among them."""
         default = self.default_params(problem, target)
         base = self._mma_default(problem, target)
         other_q = "smem" if base["q_in"] == "registers" else "registers"
@@ -372,38 +378,40 @@ class AttentionFamily(Family):
                {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 128, "stages": 3, "key_warps": 4},
                {"block_n": 32, "key_warps": 2, "warps": 2, "stages": 2}, {"key_warps": 2, "warps": 2, "stages": 1})
             if self._splits else ())
-        seeds = valid_neighbours(self, problem, target, base, changes + self._wgmma_points(problem))
-        if default != base:  # the wgmma default: the mma default is a seed, the default is not
-            seeds = [base] + [p for p in seeds if p != default]
-        return seeds
+        mma = valid_neighbours(self, problem, target, base, changes)
+        wgmma = valid_neighbours(self, problem, target, base, self._wgmma_points(problem, default))
+        if default == base:
+            return mma + [p for p in wgmma if p not in mma]
+        return [p for p in wgmma if p != default] + [p for p in [base, *mma] if p != default]
 
-    def _wgmma_points(self, problem: Problem) -> tuple[dict[str, ParamValue], ...]:
-        """Hopper variants worth measuring first (FlashAttention-3's tiles: 128 x 128 at D = 128,
-        wider key tiles for D = 64, 64 keys at D = 256); the space drops them elsewhere."""
+    def _wgmma_points(self, problem: Problem, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
+        """Hopper variants worth measuring, the likeliest first: each tile shape (the default's
+        first, then FlashAttention-3's: 128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64
+        keys for D = 256, two one-consumer blocks per SM for short rows) under each schedule of
+        blocks (causal: persistent blocks taking tiles from a queue, longest first across heads or
+        not, then one block per tile with and without that order; else persistent or not), two
+        stages before three, the serial schedule last. The space drops what does not fit."""
         if "engine" not in self.space.names:
-            return ()
+            return []
         fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
-                 "pack": False, "splits": 1, "blocks_per_sm": 1, "lpt": False, "persistent": False}
-        # (block_m, block_n, stages, overlap, pingpong)
-        points = ((128, 128, 2, True, True), (128, 128, 3, True, True), (128, 176, 2, True, True),
-                  (192, 128, 2, True, False), (128, 128, 2, False, False), (128, 80, 2, True, True),
-                  (128, 64, 2, False, False), (128, 128, 2, True, False), (128, 128, 3, True, False),
-                  (192, 128, 3, True, False), (128, 192, 2, True, True), (64, 128, 2, True, False),
-                  (128, 80, 2, False, False), (128, 64, 3, True, True))
-        two = ({**fixed, "block_m": 64, "block_n": 128, "stages": 2, "overlap": True, "pingpong": False,
-                "blocks_per_sm": 2},  # short sequences: two one-consumer blocks per SM
-               {**fixed, "block_m": 64, "block_n": 64, "stages": 2, "overlap": True, "pingpong": False,
-                "blocks_per_sm": 2})
-        points = tuple({**fixed, "block_m": m, "block_n": n, "stages": st, "overlap": ov, "pingpong": pp}
-                       for m, n, st, ov, pp in points) + two
-        # the default's tiles and the short-row pair again, persistent
-        points += ({**fixed, "block_m": 128, "block_n": 128, "stages": 2, "overlap": True, "pingpong": True,
-                    "persistent": True}, {**two[0], "persistent": True},
-                   {**fixed, "block_m": 192, "block_n": 128, "stages": 2, "overlap": True, "pingpong": False,
-                    "persistent": True})
-        if "causal" in problem.flags:  # each of the first points again, longest first across heads
-            points = tuple(p for pair in zip(points[:6], ({**p, "lpt": True} for p in points[:6])) for p in pair) \
-                + points[6:] + tuple({**p, "lpt": True} for p in points[-3:])
+                 "pack": False, "splits": 1, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False,
+                 "overlap": True}
+        # (block_m, block_n, pingpong, blocks_per_sm)
+        tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (128, 80, True, 1),
+                 (128, 176, True, 1), (128, 64, True, 1), (64, 64, False, 2), (128, 128, False, 1),
+                 (192, 80, False, 1), (128, 192, True, 1)]
+        if default.get("engine") == "wgmma":
+            mine = (default["block_m"], default["block_n"], default["pingpong"], default["blocks_per_sm"])
+            tiles = [mine] + [t for t in tiles if t != mine]
+        if "causal" in problem.flags:  # tiles of unequal length
+            schedules = [{"persistent": True, "queue": True, "lpt": True}, {"persistent": True, "queue": True},
+                         {"lpt": True}, {}, {"persistent": True, "lpt": True}]
+        else:
+            schedules = [{"persistent": True}, {}]
+        points = [{**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": st, **sch}
+                  for st in (2, 3) for m, n, pp, bps in tiles for sch in schedules]
+        points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
+                   for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile
         return points
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
@@ -418,7 +426,7 @@ class AttentionFamily(Family):
     def _mma(self) -> dict[str, ParamValue]:
         """{"engine": "mma"} where the space has engines (a family that extends the kernel may not)."""
         return {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
-                "persistent": False} \
+                "persistent": False, "queue": False} \
             if "engine" in self.space.names else {}
 
     @property
