@@ -85,8 +85,10 @@ def cuda_tool(name: str) -> str | None:
 
 
 
-def sample_points(family: Any, problem: Any, target: Any, k: int, seed: int) -> list[dict[str, Any]]:
-    """The default, its seeds and k valid points drawn with a fixed seed, each once."""
+def sample_points(family: Any, problem: Any, target: Any, k: int, seed: int,
+                  seeds: int | None = None) -> list[dict[str, Any]]:
+    """The default, its first `seeds` seeds (all with None) and k valid points drawn with a fixed
+    seed, each once."""
     from autosoft.testing.conformance import sample_points
 
-    return sample_points(family, problem, target, k, seed)
+    return sample_points(family, problem, target, k, seed, seeds)

@@ -133,6 +133,59 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     assert attention_end.rstrip() in colsum, "the attention epilogue is unchanged"
 
 
+def _wgmma(problem, **change):
+    """The first wgmma seed of the problem on sm_90, with `change`."""
+    point = next(p for p in FAMILY.seed_params(problem, TARGET) if p["engine"] == "wgmma")
+    return {**point, **change}
+
+
+def test_on_hopper_the_wgmma_attention_kernel_is_the_attention_familys_then_the_key_major_pass():
+    """The wgmma engine shares the attention family's kernel itself: the same launch (tensor maps,
+    no column sums), the same kernel text in a namespace of its own, then the key-major pass built
+    on the mma kernel's helpers (which the wgmma kernel's names would otherwise clash with)."""
+    problem = _problem("1,8,3333,128", 3269, causal=True)
+    params = _wgmma(problem, km_split=2)
+    variant = build_variant(FAMILY, problem, params, TARGET)
+    attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
+    attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "queue": False,
+                                                             **{k: params[k] for k in space_of(ATTENTION).names
+                                                                if k in params}}, TARGET)
+    assert variant.name == "attention_colsum_kmajor64x64c2_" + attention.name.removeprefix("attention_")
+    first, key_major = variant.launches
+    assert first == attention.launches[0], "the attention family's own launch"
+    assert key_major.kernel == "colsum_key_major" and key_major.args[-1] == "workspace"
+    kernel = attention.source[attention.source.index("extern \"C\" __global__"):].rstrip()
+    assert "namespace hopper {" in variant.source and kernel in variant.source
+    assert variant.source.index(kernel) < variant.source.index("}  // namespace hopper") \
+        < variant.source.index("colsum_key_major(")
+    assert "FlashAttention-2 forward" not in variant.source, "no mma attention kernel"
+
+
+def test_wgmma_pairs_are_seeds_on_hopper_never_the_fused_pass_and_never_the_default():
+    problem = _problem("1,4,4096,64", 2048, causal=True)
+    valid = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, TARGET))
+    wgmma = [p for p in valid if p["engine"] == "wgmma"]
+    assert wgmma and all(p["colsum"] == "key_major" and p["warps"] == 4 and p["q_in"] == "smem" for p in wgmma)
+    assert FAMILY.default_params(problem, TARGET)["engine"] == "mma"
+    assert any(p["engine"] == "wgmma" for p in FAMILY.seed_params(problem, TARGET))
+    sm80 = Target.for_arch("80")
+    assert all(p["engine"] == "mma" for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, sm80)))
+
+
+@pytest.mark.parametrize("shape, split, flags", [("1,8,3333,128", 3269, {"causal": True}), ("1,4,4096,64", 2048, {}),
+                                                 ("2,3,777,64", 700, {"causal": True, "deterministic": True})])
+def test_wgmma_pairs_compile_for_sm90a(shape, split, flags):
+    from autosoft.compile import ARCH_SPECIFIC, compile_source
+
+    problem = _problem(shape, split, **flags)
+    seeds = [p for p in FAMILY.seed_params(problem, TARGET) if p["engine"] == "wgmma"]
+    for params in seeds[:2] + seeds[-1:]:
+        variant = build_variant(FAMILY, problem, params, TARGET)
+        assert ARCH_SPECIFIC in variant.source
+        result = compile_source(variant.source, "90")
+        assert result.ok, f"{variant.name}: {result.log[:3000]}"
+
+
 def test_the_template_digest_covers_the_attention_templates():
     from autosoft.families.base import family_template_digest
     from autosoft.render import template_digest

@@ -432,8 +432,11 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
 def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
     ray = pytest.importorskip("ray")
     six = FORTY[8:14]
+    # each problem takes about 4 s (40 replayed trials of 0.1 s): long enough that no Ray worker
+    # finishes all six before the others have started, even on a loaded machine
     spec = BatchSpec(problems=tuple(six), trials=TRIALS, cache=str(tmp_path / "k.sqlite"),
-                     storage=f"journal://{tmp_path / 'k-studies.log'}", fresh=True, replay=str(RECORDING))
+                     storage=f"journal://{tmp_path / 'k-studies.log'}", fresh=True, replay=str(RECORDING),
+                     replay_delay_s=0.1)
     ray.init(num_cpus=3, num_gpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     try:

@@ -31,7 +31,9 @@ def _target():
 
 
 def _sample(problem, k: int, seed: int) -> list[dict]:
-    return sample_points(FAMILY, problem, _target(), k, seed)
+    """The default, its first 12 seeds (on sm_90 the wgmma kernel's likeliest tiles and schedules)
+    and k random points."""
+    return sample_points(FAMILY, problem, _target(), k, seed, seeds=12)
 
 
 def _wrong(variants, seed: int) -> list[str]:

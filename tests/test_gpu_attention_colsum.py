@@ -57,7 +57,7 @@ def _problem(b, h, n, d, split, dtype, causal, deterministic=False):
 def test_both_passes_are_correct(case, dtype, causal):
     """The default and seeds (both passes) and random points, on normal, x10 and equal inputs."""
     problem = _problem(*case, dtype, causal)
-    points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal)
+    points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal, seeds=12)
     ways = {p["colsum"] for p in points}
     assert ways == {"fused", "key_major"}, ways
     failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=13)
@@ -68,14 +68,33 @@ def test_every_pass_variant_of_a_tail_problem_is_correct():
     """N and split inside tiles, causal: every fused point (the pass runs inside each attention
     tiling), every key-major tiling, pipeline, layout and fragment source over one attention
     tiling per warp count (the attention kernel itself is the attention family's, tested there),
-    and every split of the query tiles among blocks over one pipeline and layout."""
+    and every split of the query tiles among blocks over one pipeline and layout (with the mma
+    attention kernel; the wgmma one has its own test below)."""
     problem = _problem(1, 2, 555, 64, 300, "bfloat16", True)
     one_tiling = {"block_n": 64, "stages": 2, "layout": "swizzle"}
     points = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
-              if p["colsum"] == "fused" or (p["block_n"] == 64 and p["block_m"] == 16 * p["warps"] and (
-                  p["km_split"] == 1 or all(p[k] == v for k, v in one_tiling.items())))]
+              if p["engine"] == "mma" and (p["colsum"] == "fused" or (
+                  p["block_n"] == 64 and p["block_m"] == 16 * p["warps"] and (
+                      p["km_split"] == 1 or all(p[k] == v for k, v in one_tiling.items()))))]
     assert len(points) > 250 and {p["km_split"] for p in points} == {1, 2, 4, 8}
     failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=3)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case, causal", [((1, 3, 77, 64, 76), True), ((2, 2, 1000, 128, 999), False),
+                                         ((1, 2, 3333, 64, 3269), True), ((2, 16, 1024, 128, 960), True)],
+                         ids=lambda c: "x".join(map(str, c[:4])) + f"_split{c[4]}" if isinstance(c, tuple) else str(c))
+def test_the_wgmma_attention_kernel_then_the_key_major_pass_is_correct(case, causal):
+    """On Hopper: the attention family's wgmma kernel (first seeds: its schedules and tiles), then
+    the key-major pass built on the mma kernel's helpers, with and without split query tiles."""
+    if _target().arch != "90":
+        pytest.skip("the wgmma kernel needs sm_90a")
+    problem = _problem(*case, "bfloat16", causal)
+    pairs = [p for p in FAMILY.seed_params(problem, _target()) if p["engine"] == "wgmma"]
+    points = pairs[:3] + [{**pairs[0], "km_split": 2}, {**pairs[0], "km_rows": 32, "km_queries": 128}]
+    points = [p for p in points if FAMILY.is_valid(problem, _target(), p)]
+    assert len(points) >= 3
+    failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=17)
     assert not failures, "\n".join(failures)
 
 

@@ -233,7 +233,7 @@ class AttentionFamily(Family):
                 "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
                 "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
                 "persistent": bool(values.get("persistent", False)), "queue": bool(values.get("queue", False)),
-                "lpt_heads": self._lpt_heads(problem, values)}
+                "mma_helpers": False, "lpt_heads": self._lpt_heads(problem, values)}
 
     @staticmethod
     def _lpt_heads(problem: Problem, values: Mapping[str, Any]) -> int:
@@ -315,14 +315,14 @@ class AttentionFamily(Family):
             "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
             "pack": False, "splits": 1}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
-            p = {**base, "block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
+            p = self._declared({**base, "block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False})
             if self._valid_point(problem, target, p):
                 return p
         wide = d == 64 and n > 96  # three consumer warpgroups
         # causal with few heads: the tail of light tiles weighs, so order longest first across heads
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
-        p = {**base, "block_m": 192 if wide else 128, "pingpong": not wide, "blocks_per_sm": 1,
-             "lpt": "causal" in problem.flags and b * h <= 32}
+        p = self._declared({**base, "block_m": 192 if wide else 128, "pingpong": not wide, "blocks_per_sm": 1,
+                            "lpt": "causal" in problem.flags and b * h <= 32})
         return p if self._valid_point(problem, target, p) else None
 
     def _mma_default(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
@@ -412,7 +412,7 @@ class AttentionFamily(Family):
                   for st in (2, 3) for m, n, pp, bps in tiles for sch in schedules]
         points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
                    for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile
-        return points
+        return [self._declared(point) for point in points]
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
         """is_valid, and False for values the space does not declare (a family that extends the
@@ -424,10 +424,20 @@ class AttentionFamily(Family):
 
     @property
     def _mma(self) -> dict[str, ParamValue]:
-        """{"engine": "mma"} where the space has engines (a family that extends the kernel may not)."""
-        return {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
-                "persistent": False, "queue": False} \
-            if "engine" in self.space.names else {}
+        """The engine and the wgmma schedules at their mma values, those the space declares (a
+        family that extends the kernel may declare fewer, or no engine)."""
+        return self._declared({"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1,
+                               "lpt": False, "persistent": False, "queue": False})
+
+    def _declared(self, p: Mapping[str, ParamValue]) -> dict[str, ParamValue]:
+        """p's values of the parameters the space declares, with the family's own (`_own_params`)
+        where p has none: this family's points made whole for a family that extends the kernel."""
+        names = set(self.space.names)
+        return {**self._own_params(), **{n: v for n, v in p.items() if n in names}}
+
+    def _own_params(self) -> dict[str, ParamValue]:
+        """The default values of the parameters a family that extends the kernel adds (none here)."""
+        return {}
 
     @property
     def _splits(self) -> bool:
@@ -437,8 +447,7 @@ class AttentionFamily(Family):
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
         # smaller key tiles, shallower pipeline, fewer splits, smaller query tile: the last step
         # is valid for any problem
-        if not self._splits:
-            p = {name: value for name, value in p.items() if name not in ("pack", "splits", "key_warps")}
+        p = self._declared(p)
         tiles = [(p["block_m"], p["warps"], p.get("key_warps", 1)), (64, 4, 1), (16, 1, 1)]
         for block_m, warps, key_warps in tiles:
             for block_n in (p["block_n"], 64, 32):

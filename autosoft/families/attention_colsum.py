@@ -133,15 +133,18 @@ class AttentionColsumFamily(AttentionFamily):
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**super().template_args(problem, values), "attention_kernel": "attention_fwd",
-                "single_length": True,
+                "single_length": True, "mma_helpers": values.get("engine") == "wgmma",
                 "zero_kernel": "colsum_zero", "key_major_kernel": "colsum_key_major"}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         b, h, n, _ = problem.shape
         split = values["split"]
         block = (32 * values["warps"], 1, 1)
-        attention = Launch("attention_fwd", (-(-n // values["block_m"]), h, b), block, values["smem_bytes"],
-                           ("q", "k", "v", "o", "lse", "scale", "colsum"))
+        if values.get("engine") == "wgmma":  # the attention family's own kernel, without the column sums
+            (attention,), _ = super().launches(problem, values, target)
+        else:
+            attention = Launch("attention_fwd", (-(-n // values["block_m"]), h, b), block, values["smem_bytes"],
+                               ("q", "k", "v", "o", "lse", "scale", "colsum"))
         if values["colsum"] == "fused":
             count = b * h * split
             zero = Launch("colsum_zero", (min(-(-count // ZERO_THREADS), 4 * target.sm_count), 1, 1),
@@ -158,12 +161,14 @@ class AttentionColsumFamily(AttentionFamily):
         return (attention, key_major), workspace
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """The attention family's default tiles, then the key-major pass with 16 keys per warp and
-        64 queries per tile, its query tiles shared among as many blocks per key tile (up to 8)
-        as it takes to give every SM two blocks. On the H200 the key-major pass beat the fused one
-        on all eight benchmark rows untuned (by 4-46 %: the fused pass lengthens the longest query
-        tiles, which start first and finish last), and it is deterministic."""
-        p = super().default_params(problem, target)
+        """The attention family's mma kernel default tiles, then the key-major pass with 16 keys per
+        warp and 64 queries per tile, its query tiles shared among as many blocks per key tile (up
+        to 8) as it takes to give every SM two blocks. On the H200 the key-major pass beat the fused
+        one on all eight benchmark rows untuned (by 4-46 %: the fused pass lengthens the longest
+        query tiles, which start first and finish last), and it is deterministic. The wgmma kernel
+        with the key-major pass after it is among the seeds on sm_90, not the default: that pairing
+        has been compiled, not yet run on a GPU."""
+        p = self._mma_default(problem, target)
         b, h, _, _ = problem.shape
         blocks = -(-int(problem.option("split")) // (int(p["warps"]) * int(p["km_rows"]))) * b * h
         chunks = 1
@@ -172,9 +177,8 @@ class AttentionColsumFamily(AttentionFamily):
             chunks *= 2
         return {**p, "km_split": chunks}
 
-    def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
-        return super()._first_valid(problem, target, {"colsum": "key_major", "km_rows": 16, "km_queries": 64,
-                                                      "km_split": 1, **p})
+    def _own_params(self) -> dict[str, ParamValue]:
+        return {"colsum": "key_major", "km_rows": 16, "km_queries": 64, "km_split": 1}
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Other key-major tiles, the fused pass, then the attention family's seeds with each pass."""
