@@ -8,7 +8,11 @@ the entry is there; with --no-tune the heuristic default) is verified once again
 reference, then autosoft and every SDPA backend are timed on the same torch tensors by the same
 method (autosoft.timing.time_gpu: CUDA events, spin-blocked queue, median, inputs rotated so no
 run reads them from L2). TFLOP/s counts 4*B*H*N*N*D, halved for causal. --sweep times every
-valid variant of the search space instead (verifying the fastest few) to see the whole landscape.
+valid variant of the search space instead (verifying the fastest few) to see the whole landscape;
+--seeds K times the default and its first K seeds (those matching --match NAME=VALUE,...), each
+verified, beside cuDNN timed before and after them on the same tensors: an ablation in one run.
+
+    python benchmarks/attention.py --seeds 12 --shapes 8,32,2048,128 --dtypes bfloat16 --causal yes
 """
 from __future__ import annotations
 
@@ -190,6 +194,53 @@ def sweep_one(problem: Problem, reps: int, verify_top: int = 3) -> dict:
             "default": default, "variants": sorted(timed, key=lambda t: t.get("us", math.inf))}
 
 
+def seeds_one(torch, problem: Problem, count: int, reps: int, match: str = "") -> dict:
+    """The default and the first `count` seeds (matching `match`), each verified, timed on one
+    rotated set of torch tensors between two timings of cuDNN."""
+    target = device_info().target
+    want = dict(item.split("=", 1) for item in filter(None, match.split(",")))
+    seeds = [p for p in FAMILY.seed_params(problem, target)
+             if all(str(p.get(name)).lower() == value.lower() for name, value in want.items())]
+    variants = [build_variant(FAMILY, problem, p, target)
+                for p in [FAMILY.default_params(problem, target), *seeds[:count]]]
+    with cf.ThreadPoolExecutor(max_workers=16) as pool:  # NVRTC releases the GIL while it compiles
+        built = list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
+    inputs = Inputs(torch, problem)
+    causal = "causal" in problem.flags
+    cudnn = [time_sdpa(torch, inputs, causal, "cudnn", reps)["us"]]
+    timed = []
+    for variant, result in zip(variants, built):
+        row: dict = {"variant": variant.name, "params": dict(variant.params)}
+        if not result.ok:
+            row["error"] = "compile_fail: " + " ".join(result.log.split())[:200]
+        else:
+            loaded = LoadedVariant(variant, result.cubin)
+            wrong = verify(FAMILY, loaded, seed=1)
+            row["verified"] = wrong is None
+            if wrong:
+                row["verify_error"] = wrong
+            row["us"] = time_autosoft(loaded, inputs, reps)
+            row["tflops"] = FAMILY.flops(problem) / (row["us"] * 1e-6) / 1e12
+        timed.append(row)
+    cudnn.append(time_sdpa(torch, inputs, causal, "cudnn", reps)["us"])
+    return {"shape": "x".join(map(str, problem.shape)), "dtype": problem.dtype, "causal": causal,
+            "cudnn_us": cudnn, "variants": timed}
+
+
+def print_seeds(result: dict) -> None:
+    for s in result["seeds"]:
+        cudnn = min((t for t in s["cudnn_us"] if t), default=None)
+        head = f"\n{s['shape']} {s['dtype']} {'causal' if s['causal'] else 'full'}"
+        print(head + (f": cuDNN {cudnn:.1f} us (runs {', '.join(_fmt(t) for t in s['cudnn_us'])})" if cudnn else ""))
+        for v in s["variants"]:
+            if "us" not in v:
+                print(f"  {v['variant']} {v['error']}")
+                continue
+            ratio = f"{cudnn / v['us']:.3f}x cuDNN" if cudnn else ""
+            mark = "" if v["verified"] else f" WRONG {v['verify_error']}"
+            print(f"  {v['us']:10.1f} us {v['tflops']:7.1f} TF/s {ratio}  {v['variant']}{mark}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("attention_bench.json"))
@@ -198,6 +249,9 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=16, help="tuning trials per problem")
     parser.add_argument("--no-tune", action="store_true", help="time the heuristic default variant, no tuning")
     parser.add_argument("--sweep", action="store_true", help="time every valid variant instead (no torch)")
+    parser.add_argument("--seeds", type=int, default=0, metavar="K",
+                        help="time the default and its first K seeds instead, beside cuDNN (needs torch)")
+    parser.add_argument("--match", default="", help="with --seeds: only seeds with these NAME=VALUE,... values")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--dtypes", default=",".join(DTYPES))
@@ -227,6 +281,16 @@ def main() -> int:
         torch = None
         print("torch is not importable: timing autosoft alone", file=sys.stderr)
     result["torch"] = getattr(torch, "__version__", None)
+    if args.seeds:
+        if torch is None:
+            print("--seeds times cuDNN beside the variants: it needs torch", file=sys.stderr)
+            return 2
+        result["seeds"] = []
+        for problem in problems:
+            result["seeds"].append(seeds_one(torch, problem, args.seeds, args.reps, args.match))
+            args.out.write_text(json.dumps(result, indent=1))
+        print_seeds(result)
+        return 0
     cache = None if args.no_tune else Cache(args.cache)
     result["rows"] = []
     for problem in problems:
