@@ -2,6 +2,7 @@
 its provenance, on a machine without a GPU; a stale entry is never exported."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 
@@ -194,11 +195,17 @@ HOST_VARIANTS = {
     "attention_tensor_maps": (ATTENTION, "1,32,8192,128", "bfloat16", {
         "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "block_m": 128, "block_n": 128, "stages": 2,
         "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
+    # persistent blocks taking tiles from a counter in the workspace, which the last block resets
+    "attention_tensor_maps_queue": (ATTENTION, "1,32,8192,128", "bfloat16", {
+        "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": True,
+        "queue": True, "block_m": 128, "block_n": 128, "stages": 2,
+        "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
 }
 
 
 # on the GPU the CPU reference of 1x32x8192x128 attention would take minutes: a smaller one, still past 48 KiB
-GPU_SHAPES = {"attention_past_48_kib": "1,2,300,128", "attention_tensor_maps": "1,2,300,128"}
+GPU_SHAPES = {"attention_past_48_kib": "1,2,300,128", "attention_tensor_maps": "1,2,300,128",
+              "attention_tensor_maps_queue": "2,3,700,128"}
 
 
 def _build_arch(text: str) -> str:
@@ -232,9 +239,9 @@ def test_the_header_and_the_host_launcher_say_how_each_kernel_is_launched(case):
     assert ("void* workspace" in prototype) == bool(variant.workspace_bytes)
     big = [l for l in variant.launches if l.shared_mem > 48 * 1024]
     assert bool(big) == case.startswith("attention")
-    assert _build_arch(text) == ("-gencode=arch=compute_90a,code=sm_90a" if case == "attention_tensor_maps"
-                                 else "-arch=sm_90")
-    assert ("CUtensorMap" in text and "link with -lcuda" in header) == (case == "attention_tensor_maps")
+    maps = case.startswith("attention_tensor_maps")
+    assert _build_arch(text) == ("-gencode=arch=compute_90a,code=sm_90a" if maps else "-arch=sm_90")
+    assert ("CUtensorMap" in text and "link with -lcuda" in header) == maps
     for launch in variant.launches:
         attribute = (f"cudaFuncSetAttribute({launch.kernel}, cudaFuncAttributeMaxDynamicSharedMemorySize, "
                      f"{launch.shared_mem})")
@@ -258,6 +265,7 @@ def test_the_header_and_the_host_launcher_say_how_each_kernel_is_launched(case):
                              "long long q_stride0, long long q_stride1, long long q_stride2, "
                              "long long k_stride0, long long k_stride1, long long k_stride2, "
                              "long long v_stride0, long long v_stride1, long long v_stride2, "
+                             + ("void* workspace, " if variant.workspace_bytes else "") +
                              "cudaStream_t stream)"), "16-bit values as their bits; the scale and strides are parameters"
     assert compile_source(text, "90").ok, "NVRTC compiles the file: the launcher hides behind its macro"
 
@@ -335,7 +343,10 @@ def test_the_host_launcher_computes_the_right_thing_on_the_gpu(tmp_path, case):
     if nvcc is None:
         pytest.skip("nvcc not found")
     family = HOST_VARIANTS[case][0]
-    variant = _host_variant(case, device_info().target, GPU_SHAPES.get(case))
+    target = device_info().target
+    if case == "attention_tensor_maps_queue":  # four persistent blocks: each takes several tiles from the queue
+        target = dataclasses.replace(target, sm_count=4)
+    variant = _host_variant(case, target, GPU_SHAPES.get(case))
     assert variant.launches[0].shared_mem > 48 * 1024 or family is SOFTMAX
     text = standalone_source(variant, None)
     (prototype,) = re.findall(r'^//   extern "C" (cudaError_t autosoft_launch\(.*\));$', text, re.M)
