@@ -89,7 +89,7 @@ def test_every_variant_of_a_tail_problem_is_correct():
 @pytest.mark.parametrize("shape, options", [
     ("2,16,1000,128", {"causal": True}),
     ("1,32,2048,64", {"causal": True, "kv_heads": 8}),
-    ("3,4,777,128", {"kv_len": 3333, "causal": True, "window_left": 200}),
+    ("3,8,777,128", {"kv_len": 3333, "causal": True, "window_left": 200}),
 ])
 def test_persistent_blocks_taking_tiles_from_a_queue_are_right_launch_after_launch(shape, options):
     """wgmma blocks that take their tiles from a counter in the workspace: every tile is computed
