@@ -385,20 +385,22 @@ class AttentionFamily(Family):
         return [p for p in wgmma if p != default] + [p for p in [base, *mma] if p != default]
 
     def _wgmma_points(self, problem: Problem, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Hopper variants worth measuring, the likeliest first: each tile shape (the default's
-        first, then FlashAttention-3's: 128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64
-        keys for D = 256, two one-consumer blocks per SM for short rows) under each schedule of
-        blocks (causal: persistent blocks taking tiles from a queue, longest first across heads or
-        not, then one block per tile with and without that order; else persistent or not), two
-        stages before three, the serial schedule last. The space drops what does not fit."""
+        """Hopper variants worth measuring, the likeliest first. Tile shapes: the default's first,
+        then FlashAttention-3's (128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64 keys for
+        D = 256, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
+        persistent blocks taking tiles from a queue, longest first across heads or not, then one
+        block per tile with and without that order; else persistent or not. The first tile under
+        every schedule comes first, then every other tile under the first schedule, then the rest
+        (two stages before three), the serial schedule last: a short tune sees each tile and each
+        schedule. The space drops what does not fit."""
         if "engine" not in self.space.names:
             return []
         fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
                  "pack": False, "splits": 1, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False,
                  "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
-        tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (128, 80, True, 1),
-                 (128, 176, True, 1), (128, 64, True, 1), (64, 64, False, 2), (128, 128, False, 1),
+        tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
+                 (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
                  (192, 80, False, 1), (128, 192, True, 1)]
         if default.get("engine") == "wgmma":
             mine = (default["block_m"], default["block_n"], default["pingpong"], default["blocks_per_sm"])
@@ -408,8 +410,15 @@ class AttentionFamily(Family):
                          {"lpt": True}, {}, {"persistent": True, "lpt": True}]
         else:
             schedules = [{"persistent": True}, {}]
-        points = [{**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": st, **sch}
-                  for st in (2, 3) for m, n, pp, bps in tiles for sch in schedules]
+        def point(tile: tuple, schedule: dict, stages: int) -> dict[str, ParamValue]:
+            m, n, pp, bps = tile
+            return {**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": stages,
+                    **schedule}
+
+        # the first tile under every schedule, every other tile under the first schedule, the rest
+        points = [point(tiles[0], sch, 2) for sch in schedules] + [point(t, schedules[0], 2) for t in tiles[1:]]
+        points += [point(t, sch, st) for st in (2, 3) for t in tiles for sch in schedules
+                   if point(t, sch, st) not in points]
         points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
                    for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile
         return [self._declared(point) for point in points]
