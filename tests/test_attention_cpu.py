@@ -143,7 +143,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block", "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
@@ -353,6 +353,32 @@ def test_decode_defaults_pack_the_group_and_split_the_keys():
     assert launch.grid == (d["splits"], 8, 1) and launch.args[-1] == "workspace" and v.workspace_bytes > 0
 
 
+def test_splits_merged_in_a_cluster_need_no_workspace_and_compile_for_sm90():
+    """The splits of a query tile as one cluster (sm_90, up to 16 blocks): the kernel declares
+    the cluster, the launch names it and takes no workspace; 32 splits or another GPU: refused."""
+    target = Target.for_arch("90")
+    p = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 32768})
+    d = FAMILY.default_params(p, target)
+    assert d["merge"] == "last_block"
+    merged = {**d, "splits": 16, "merge": "cluster"}
+    v = build_variant(FAMILY, p, merged, target)
+    (launch,) = v.launches
+    assert v.name.endswith("_split16_cluster") and launch.cluster_blocks == 16 and launch.non_portable_cluster
+    assert launch.grid == (16, 8, 1) and "workspace" not in launch.args and v.workspace_bytes == 0
+    assert "__cluster_dims__(SPLITS, 1, 1)" in v.source and "float* __restrict__ workspace" not in v.source
+    assert "__cluster_dims__" not in build_variant(FAMILY, p, d, target).source
+    result = compile_source(v.source, "90", v.name + ".cu")
+    assert result.ok, result.log[:2000]
+    with pytest.raises(UserError, match="a cluster"):
+        build_variant(FAMILY, p, {**d, "splits": 32, "merge": "cluster"}, target)
+    with pytest.raises(UserError, match="a cluster"):
+        build_variant(FAMILY, p, {**d, "splits": 1, "merge": "cluster"}, target)
+    sm80 = Target.for_arch("80")
+    with pytest.raises(UserError, match="a cluster"):
+        build_variant(FAMILY, p, {**FAMILY.default_params(p, sm80), "splits": 8, "merge": "cluster"}, sm80)
+    assert any(s.get("merge") == "cluster" for s in FAMILY.seed_params(p, target))
+
+
 def test_call_options_keep_only_what_is_given():
     assert call_options(True, None, None) == {"causal": True}
     assert call_options(False, (None, 4), 50) == {"causal": False, "window_right": 4, "softcap": 50.0}
@@ -376,7 +402,7 @@ def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
 # --- the wgmma engine (sm_90a) ------------------------------------------------------------------
 
 WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1,
-         "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False}
+         "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block"}
 
 
 def test_wgmma_variant_name_and_launch_take_tensor_maps():

@@ -413,3 +413,44 @@ def test_sampled_variants_are_correct(shape, dtype, options):
         if wrong:
             failures.append(f"{variant.name}: {wrong}")
     assert not failures, "\n".join(failures)
+
+
+CLUSTER_MERGED = [
+    ("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 4096}),
+    ("2,8,7,64", "float16", {"kv_heads": 2, "kv_len": 1000, "causal": True}),
+    ("1,32,1,96", "float16", {"kv_heads": 8, "kv_len": 3333}),
+    ("1,4,3,256", "bfloat16", {"kv_heads": 1, "kv_len": 5000, "window_left": 100, "softcap": 30.0}),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, options", CLUSTER_MERGED,
+                         ids=[f"{s.replace(',', 'x')}-{d}" for s, d, _ in CLUSTER_MERGED])
+def test_splits_merged_in_a_cluster_are_correct(shape, dtype, options):
+    """Decoding with the key splits of each query tile merged inside a thread-block cluster (every
+    such seed: 4 to 16 blocks, distributed shared memory), on every input kind, launched twice
+    (a cluster variant keeps nothing between launches)."""
+    from autosoft.compile import compile_source
+    from autosoft.evaluate import verify
+    from autosoft.families import get_family
+    from autosoft.families.base import build_variant
+    from autosoft.runtime import LoadedVariant, device_info
+
+    family = get_family("attention")
+    target = device_info().target
+    if target.arch != "90":
+        pytest.skip("thread-block clusters of this kernel are built for sm_90")
+    problem = family.problem(shape, dtype, options)
+    points = [p for p in family.seed_params(problem, target) if p.get("merge") == "cluster"]
+    assert points
+    variants = [build_variant(family, problem, p, target) for p in points]
+    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
+        results = list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
+    failures = []
+    for variant, result in zip(variants, results):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        loaded = LoadedVariant(variant, result.cubin)
+        for seed in (5, 6):
+            wrong = verify(family, loaded, seed=seed)
+            if wrong:
+                failures.append(f"{variant.name}, seed {seed}: {wrong}")
+    assert not failures, "\n".join(failures)

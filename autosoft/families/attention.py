@@ -212,7 +212,7 @@ class AttentionFamily(Family):
         if p.get("pack"):
             name += "_pack"
         if int(p.get("splits", 1)) > 1:
-            name += f"_split{p['splits']}"
+            name += f"_split{p['splits']}" + ("_cluster" if p.get("merge") == "cluster" else "")
         return name
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,7 +233,7 @@ class AttentionFamily(Family):
                 "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
                 "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
                 "persistent": bool(values.get("persistent", False)), "queue": bool(values.get("queue", False)),
-                "mma_helpers": False, "lpt_heads": self._lpt_heads(problem, values)}
+                "mma_helpers": False, "merge": values.get("merge", "last_block"), "lpt_heads": self._lpt_heads(problem, values)}
 
     @staticmethod
     def _lpt_heads(problem: Problem, values: Mapping[str, Any]) -> int:
@@ -267,6 +267,8 @@ class AttentionFamily(Family):
         block = (32 * values["warps"], 1, 1)
         args: tuple[str, ...] = ("q", "k", "v", "o", "lse", "scale")
         args += tuple(f"{name}_stride{i}" for name in self.strided_inputs for i in range(3))
+        if splits > 1 and values.get("merge") == "cluster":  # the splits of a query tile: one cluster
+            return (Launch("attention_fwd", grid, block, values["smem_bytes"], args, cluster_blocks=splits),), 0
         workspace = 0
         if splits > 1:  # partial lse and O / l of every (query row, split), then arrival counters
             partials = b * h * n * splits
@@ -313,7 +315,7 @@ class AttentionFamily(Family):
         base: dict[str, ParamValue] = {
             "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "queue": False, "stages": 2,
             "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
-            "pack": False, "splits": 1}
+            "pack": False, "splits": 1, "merge": "last_block"}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
             p = self._declared({**base, "block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False})
             if self._valid_point(problem, target, p):
@@ -373,7 +375,11 @@ class AttentionFamily(Family):
             {"block_m": 128, "warps": 8, "block_n": 128, "stages": 3, "q_in": "registers"},  # 16 rows per warp
             {"block_n": 32, "stages": 3},
         ) + (({"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
-               {"splits": min(SPLITS_MAX, 4 * splits)}, {"block_n": 128, "stages": 2}, {"stages": 2},
+               {"splits": min(SPLITS_MAX, 4 * splits)},
+               # the splits merged inside a cluster (sm_90): as many as the default, or 16, 8, 4
+               {"merge": "cluster"}, {"splits": 16, "merge": "cluster"}, {"splits": 8, "merge": "cluster"},
+               {"splits": 4, "merge": "cluster"},
+               {"block_n": 128, "stages": 2}, {"stages": 2},
                {"pack": not base.get("pack", False)}, {"key_warps": 2, "warps": 2}, {"key_warps": 1, "warps": 1},
                {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 128, "stages": 3, "key_warps": 4},
                {"block_n": 32, "key_warps": 2, "warps": 2, "stages": 2}, {"key_warps": 2, "warps": 2, "stages": 1})
@@ -396,8 +402,8 @@ class AttentionFamily(Family):
         if "engine" not in self.space.names:
             return []
         fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
-                 "pack": False, "splits": 1, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False,
-                 "overlap": True}
+                 "pack": False, "splits": 1, "merge": "last_block", "blocks_per_sm": 1, "lpt": False,
+                 "persistent": False, "queue": False, "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
         tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
                  (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
@@ -436,7 +442,7 @@ class AttentionFamily(Family):
         """The engine and the wgmma schedules at their mma values, those the space declares (a
         family that extends the kernel may declare fewer, or no engine)."""
         return self._declared({"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1,
-                               "lpt": False, "persistent": False, "queue": False})
+                               "lpt": False, "persistent": False, "queue": False, "merge": "last_block"})
 
     def _declared(self, p: Mapping[str, ParamValue]) -> dict[str, ParamValue]:
         """p's values of the parameters the space declares, with the family's own (`_own_params`)
