@@ -392,27 +392,37 @@ SAMPLED = [
 def test_sampled_variants_are_correct(shape, dtype, options):
     """The default, its first seed and two sampled points, each verified on every input kind
     (strided views included) against the family's float64 reference."""
-    from autosoft.compile import compile_source
-    from autosoft.evaluate import verify
     from autosoft.families import get_family
-    from autosoft.families.base import build_variant
-    from autosoft.runtime import LoadedVariant, device_info
+    from autosoft.runtime import device_info
     from autosoft.testing.conformance import sample_points
 
     family = get_family("attention")
     target = device_info().target
     problem = family.problem(shape, dtype, options)
     points = sample_points(family, problem, target, 2, seed=len(shape) + len(options), seeds=1)
+    failures = _wrong_points(family, problem, target, points, seeds=(3,))
+    assert not failures, "\n".join(failures)
+
+
+def _wrong_points(family, problem, target, points, seeds) -> list[str]:
+    """Compile the points' variants and verify each once per seed: the failures, described."""
+    from autosoft.compile import compile_source
+    from autosoft.evaluate import verify
+    from autosoft.families.base import build_variant
+    from autosoft.runtime import LoadedVariant
+
     variants = [build_variant(family, problem, p, target) for p in points]
     with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
         results = list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
     failures = []
     for variant, result in zip(variants, results):
         assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(family, LoadedVariant(variant, result.cubin), seed=3)
-        if wrong:
-            failures.append(f"{variant.name}: {wrong}")
-    assert not failures, "\n".join(failures)
+        loaded = LoadedVariant(variant, result.cubin)
+        for seed in seeds:
+            wrong = verify(family, loaded, seed=seed)
+            if wrong:
+                failures.append(f"{variant.name}, seed {seed}: {wrong}")
+    return failures
 
 
 CLUSTER_MERGED = [
@@ -429,11 +439,8 @@ def test_splits_merged_in_a_cluster_are_correct(shape, dtype, options):
     """Decoding with the key splits of each query tile merged inside a thread-block cluster (every
     such seed: 4 to 16 blocks, distributed shared memory), on every input kind, launched twice
     (a cluster variant keeps nothing between launches)."""
-    from autosoft.compile import compile_source
-    from autosoft.evaluate import verify
     from autosoft.families import get_family
-    from autosoft.families.base import build_variant
-    from autosoft.runtime import LoadedVariant, device_info
+    from autosoft.runtime import device_info
 
     family = get_family("attention")
     target = device_info().target
@@ -442,15 +449,5 @@ def test_splits_merged_in_a_cluster_are_correct(shape, dtype, options):
     problem = family.problem(shape, dtype, options)
     points = [p for p in family.seed_params(problem, target) if p.get("merge") == "cluster"]
     assert points
-    variants = [build_variant(family, problem, p, target) for p in points]
-    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
-        results = list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
-    failures = []
-    for variant, result in zip(variants, results):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        loaded = LoadedVariant(variant, result.cubin)
-        for seed in (5, 6):
-            wrong = verify(family, loaded, seed=seed)
-            if wrong:
-                failures.append(f"{variant.name}, seed {seed}: {wrong}")
+    failures = _wrong_points(family, problem, target, points, seeds=(5, 6))
     assert not failures, "\n".join(failures)
