@@ -255,11 +255,10 @@ class AttentionFamily(Family):
             tiles = -(-n // block_m) * h * b
             grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
                 if values.get("persistent") else (-(-n // block_m), h, b)
-            args_w: tuple[Any, ...] = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b))
-            if values.get("queue"):  # the tile counter and the count of blocks done (the last resets both)
-                return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"],
-                               (*args_w, "workspace")),), 8
-            return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), 0
+            queue = bool(values.get("queue"))  # a workspace: the tile counter and the blocks done (the last resets both)
+            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *(("workspace",) if queue else ()))
+            return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), \
+                8 if queue else 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
         rows = (h // kv_heads) * n if pack else n
         m_blocks = -(-rows // values["block_m"])
@@ -416,18 +415,19 @@ class AttentionFamily(Family):
                          {"lpt": True}, {}, {"persistent": True, "lpt": True}]
         else:
             schedules = [{"persistent": True}, {}]
+
         def point(tile: tuple, schedule: dict, stages: int) -> dict[str, ParamValue]:
             m, n, pp, bps = tile
             return {**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": stages,
                     **schedule}
 
         # the first tile under every schedule, every other tile under the first schedule, the rest
+        # (a point already listed is dropped later, by valid_neighbours)
         points = [point(tiles[0], sch, 2) for sch in schedules] + [point(t, schedules[0], 2) for t in tiles[1:]]
-        points += [point(t, sch, st) for st in (2, 3) for t in tiles for sch in schedules
-                   if point(t, sch, st) not in points]
+        points += [point(t, sch, st) for st in (2, 3) for t in tiles for sch in schedules]
         points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
                    for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile
-        return [self._declared(point) for point in points]
+        return [self._declared(p) for p in points]
 
     def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
         """is_valid, and False for values the space does not declare (a family that extends the
