@@ -376,7 +376,7 @@ def test_splits_merged_in_a_cluster_need_no_workspace_and_compile_for_sm90():
     sm80 = Target.for_arch("80")
     with pytest.raises(UserError, match="a cluster"):
         build_variant(FAMILY, p, {**FAMILY.default_params(p, sm80), "splits": 8, "merge": "cluster"}, sm80)
-    assert any(s.get("merge") == "cluster" for s in FAMILY.seed_params(p, target))
+    assert not any(s.get("merge") == "cluster" for s in FAMILY.seed_params(p, target)), "lost on the H200: not seeded"
 
 
 def test_call_options_keep_only_what_is_given():
@@ -467,6 +467,20 @@ def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_dec
     assert FAMILY.default_params(d96, sm90)["engine"] == "mma"  # no 64-column boxes for D = 96
     seeds = FAMILY.seed_params(prefill, sm90)
     assert FAMILY._mma_default(prefill, sm90) in seeds and FAMILY.default_params(prefill, sm90) not in seeds
+
+
+def test_short_causal_rows_default_to_persistent_blocks_taking_tiles_from_a_queue():
+    sm90 = Target.for_arch("90")
+    few_heads = FAMILY.default_params(FAMILY.problem("4,16,1024,64", "bfloat16", ("causal",)), sm90)
+    many_heads = FAMILY.default_params(FAMILY.problem("16,16,512,64", "bfloat16", ("causal",)), sm90)
+    for p in (few_heads, many_heads):
+        assert (p["engine"], p["block_m"], p["blocks_per_sm"], p["persistent"], p["queue"]) == ("wgmma", 64, 2, True, True)
+    assert few_heads["lpt"] and not many_heads["lpt"], "longest first across 64 heads, not across 256"
+    for shape in ("16,16,512,64", "4,16,4096,64"):  # no mask, or long rows: no queue
+        flags = ("causal",) if shape.endswith("4096,64") else ()
+        assert not FAMILY.default_params(FAMILY.problem(shape, "bfloat16", flags), sm90)["queue"]
+    variant = build_variant(FAMILY, FAMILY.problem("4,16,1024,64", "bfloat16", ("causal",)), few_heads, sm90)
+    assert variant.workspace_bytes == 8 and variant.name.endswith("_2cta_lpt_pers_queue")
 
 
 @pytest.mark.skipif(_tool("nvcc") is None or _tool("cuobjdump") is None, reason="nvcc or cuobjdump not installed")

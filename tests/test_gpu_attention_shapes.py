@@ -436,9 +436,9 @@ CLUSTER_MERGED = [
 @pytest.mark.parametrize("shape, dtype, options", CLUSTER_MERGED,
                          ids=[f"{s.replace(',', 'x')}-{d}" for s, d, _ in CLUSTER_MERGED])
 def test_splits_merged_in_a_cluster_are_correct(shape, dtype, options):
-    """Decoding with the key splits of each query tile merged inside a thread-block cluster (every
-    such seed: 4 to 16 blocks, distributed shared memory), on every input kind, launched twice
-    (a cluster variant keeps nothing between launches)."""
+    """Decoding with the key splits of each query tile merged inside a thread-block cluster (the
+    default's tiles at its split count, 16, 8 and 4 where valid: distributed shared memory), on
+    every input kind, launched twice (a cluster variant keeps nothing between launches)."""
     from autosoft.families import get_family
     from autosoft.runtime import device_info
 
@@ -447,7 +447,10 @@ def test_splits_merged_in_a_cluster_are_correct(shape, dtype, options):
     if target.arch != "90":
         pytest.skip("thread-block clusters of this kernel are built for sm_90")
     problem = family.problem(shape, dtype, options)
-    points = [p for p in family.seed_params(problem, target) if p.get("merge") == "cluster"]
+    default = family.default_params(problem, target)
+    counts = dict.fromkeys((default["splits"], 16, 8, 4))  # in order, once each
+    points = [p for p in ({**default, "splits": n, "merge": "cluster"} for n in counts)
+              if family.is_valid(problem, target, p)]
     assert points
     failures = _wrong_points(family, problem, target, points, seeds=(5, 6))
     assert not failures, "\n".join(failures)

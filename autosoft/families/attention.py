@@ -282,7 +282,8 @@ class AttentionFamily(Family):
         consumers (192 rows) without ping-pong, and up to 1024 queries one consumer of 64 rows in
         blocks two of which share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster).
         Without a mask the blocks are persistent; causal with at most 32 heads orders the tiles
-        longest first across heads. Among the variants timed on an H200 (bf16: 4x16x4096x128,
+        longest first across heads; causal rows of up to 1024 keys at D = 64 run persistent blocks
+        that take their tiles from a queue (10 to 14 % faster there). Among the variants timed on an H200 (bf16: 4x16x4096x128,
         8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
         16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
         and 1.6 to 2.2 times the mma kernel's default. Decoding keeps the mma kernel (below).
@@ -316,7 +317,14 @@ class AttentionFamily(Family):
             "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
             "pack": False, "splits": 1, "merge": "last_block"}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
-            p = self._declared({**base, "block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False})
+            short = {"block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
+            if "causal" in problem.flags:
+                # causal tiles of unequal length: persistent blocks taking the next tile from a
+                # queue as they finish one (bf16 on an H200 against one block per tile:
+                # 16x16x512x64 47.2 -> 42.2 us; 4x16x1024x64 38.9 -> 33.6 us with the tiles
+                # ordered longest first across heads, which 256 heads lose: 44.8 us)
+                short.update(persistent=True, queue=True, lpt=b * h <= 64)
+            p = self._declared({**base, **short})
             if self._valid_point(problem, target, p):
                 return p
         wide = d == 64 and n > 96  # three consumer warpgroups
@@ -375,9 +383,9 @@ class AttentionFamily(Family):
             {"block_n": 32, "stages": 3},
         ) + (({"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
                {"splits": min(SPLITS_MAX, 4 * splits)},
-               # the splits merged inside a cluster (sm_90): as many as the default, or 16, 8, 4
-               {"merge": "cluster"}, {"splits": 16, "merge": "cluster"}, {"splits": 8, "merge": "cluster"},
-               {"splits": 4, "merge": "cluster"},
+               # no cluster merge among them: on an H200 it lost to the last block's merge at every
+               # split count the tuner tried (bf16 B1 Hq32/Hkv8 D128 decode, 4096 keys: 15.0 against
+               # 13.2 us at 16 splits; 32768 keys: 44.7 against 39.3 us; B16: 7-22 % slower)
                {"block_n": 128, "stages": 2}, {"stages": 2},
                {"pack": not base.get("pack", False)}, {"key_warps": 2, "warps": 2}, {"key_warps": 1, "warps": 1},
                {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 128, "stages": 3, "key_warps": 4},
