@@ -81,7 +81,7 @@ def test_deterministic_problems_have_only_key_major_variants():
     assert {p["colsum"] for p in space_of(FAMILY).valid_points(FAMILY.problem_values(free, TARGET))} == \
         {"key_major", "fused"}
     with pytest.raises(UserError, match="only the key-major pass sums in a fixed order"):
-        build_variant(FAMILY, det, {**FAMILY.default_params(det, TARGET), "colsum": "fused"}, TARGET)
+        build_variant(FAMILY, det, {**FAMILY._mma_default(det, TARGET), "colsum": "fused"}, TARGET)
 
 
 def test_the_default_shares_query_tiles_among_blocks_until_the_gpu_is_full():
@@ -121,7 +121,7 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     """The column sums extend the attention kernel through its template blocks: its main loop
     renders to the very text the attention family's does, for the same tiles."""
     problem = _problem("1,8,3333,128", 1000, causal=True)
-    params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, "km_split": 1}
+    params = {**FAMILY._mma_default(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, "km_split": 1}
     colsum = build_variant(FAMILY, problem, params, TARGET).source
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
     attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "engine": "mma",
@@ -134,8 +134,9 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
 
 
 def _wgmma(problem, **change):
-    """The first wgmma seed of the problem on sm_90, with `change`."""
-    point = next(p for p in FAMILY.seed_params(problem, TARGET) if p["engine"] == "wgmma")
+    """The problem's default on sm_90 (a wgmma pair), with `change`."""
+    point = FAMILY.default_params(problem, TARGET)
+    assert point["engine"] == "wgmma"
     return {**point, **change}
 
 
@@ -161,14 +162,18 @@ def test_on_hopper_the_wgmma_attention_kernel_is_the_attention_familys_then_the_
     assert "FlashAttention-2 forward" not in variant.source, "no mma attention kernel"
 
 
-def test_wgmma_pairs_are_seeds_on_hopper_never_the_fused_pass_and_never_the_default():
+def test_wgmma_pairs_are_the_hopper_default_and_never_take_the_fused_pass():
     problem = _problem("1,4,4096,64", 2048, causal=True)
     valid = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, TARGET))
     wgmma = [p for p in valid if p["engine"] == "wgmma"]
     assert wgmma and all(p["colsum"] == "key_major" and p["warps"] == 4 and p["q_in"] == "smem" for p in wgmma)
-    assert FAMILY.default_params(problem, TARGET)["engine"] == "mma"
-    assert any(p["engine"] == "wgmma" for p in FAMILY.seed_params(problem, TARGET))
+    default = FAMILY.default_params(problem, TARGET)
+    assert (default["engine"], default["colsum"]) == ("wgmma", "key_major")
+    assert FAMILY._mma_default(problem, TARGET)["engine"] == "mma"
+    assert any(p["engine"] == "mma" for p in FAMILY.seed_params(problem, TARGET)), "the mma pairs stay seeds"
+    assert FAMILY.default_params(_problem("1,4,4096,32", 2048), TARGET)["engine"] == "mma", "no wgmma for D = 32"
     sm80 = Target.for_arch("80")
+    assert FAMILY.default_params(problem, sm80)["engine"] == "mma"
     assert all(p["engine"] == "mma" for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, sm80)))
 
 
@@ -199,7 +204,7 @@ def test_the_template_digest_covers_the_attention_templates():
 def test_both_passes_build_with_nvcc_without_spilling(tmp_path):
     problem = _problem("1,32,4096,128", 2048, causal=True)
     for way, extra in (("fused", {}), ("key_major", {"km_rows": 32, "km_queries": 128, "km_split": 4})):
-        params = {**FAMILY.default_params(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64,
+        params = {**FAMILY._mma_default(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64,
                   "km_split": 1, **extra}
         variant = build_variant(FAMILY, problem, params, TARGET)
         path = tmp_path / f"{way}.cu"

@@ -100,7 +100,8 @@ def test_the_wgmma_attention_kernel_then_the_key_major_pass_is_correct(case, cau
 
 def test_key_major_is_deterministic_and_fused_repeats_within_rounding():
     """The default key-major pass (its query tiles shared among blocks, the partials added by the
-    last block) gives the same bits three times; the fused pass agrees within rounding."""
+    last block; after the wgmma kernel on sm_90) gives the same bits three times; the mma kernel's
+    fused pass agrees within rounding."""
     import cupy as cp
 
     from autosoft.runtime import LoadedVariant
@@ -108,9 +109,9 @@ def test_key_major_is_deterministic_and_fused_repeats_within_rounding():
     results = {}
     for way in ("key_major", "fused"):
         problem = _problem(1, 8, 2048, 128, 1024, "bfloat16", True)
-        params = {**FAMILY.default_params(problem, _target()), "colsum": way}
-        if way == "fused":
-            params["km_split"] = 1  # the default shares query tiles among blocks: a key-major choice
+        params = FAMILY.default_params(problem, _target())
+        if way == "fused":  # the mma kernel's; the default shares query tiles among blocks: a key-major choice
+            params = {**FAMILY._mma_default(problem, _target()), "colsum": way, "km_split": 1}
         variant = build_variant(FAMILY, problem, params, _target())
         loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
         inputs = FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(4))
@@ -127,10 +128,11 @@ def test_key_major_is_deterministic_and_fused_repeats_within_rounding():
 
 
 def test_large_default_fills_the_gpu_and_is_correct():
-    """32 heads of 4096 queries, split = N / 2: the benchmark's problem kind, fused and key-major."""
+    """32 heads of 4096 queries, split = N / 2: the benchmark's problem kind; the default, and the
+    mma kernel's tiles with either pass."""
     problem = _problem(1, 32, 4096, 128, 2048, "bfloat16", True)
-    for way in ("fused", "key_major"):
-        params = {**FAMILY.default_params(problem, _target()), "colsum": way}
+    mma = FAMILY._mma_default(problem, _target())
+    for params in (FAMILY.default_params(problem, _target()), {**mma, "colsum": "fused"}, {**mma, "colsum": "key_major"}):
         variant = build_variant(FAMILY, problem, params, _target())
         outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)
         assert outcome.ok, f"{variant.name}: {outcome.message}"

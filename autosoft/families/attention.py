@@ -318,7 +318,7 @@ class AttentionFamily(Family):
             "pack": False, "splits": 1, "merge": "last_block"}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
             short = {"block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
-            if "causal" in problem.flags:
+            if "causal" in problem.flags and "queue" in self.space.names:
                 # causal tiles of unequal length: persistent blocks taking the next tile from a
                 # queue as they finish one (bf16 on an H200 against one block per tile:
                 # 16x16x512x64 47.2 -> 42.2 us; 4x16x1024x64 38.9 -> 33.6 us with the tiles
