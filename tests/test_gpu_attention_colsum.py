@@ -55,9 +55,14 @@ def _problem(b, h, n, d, split, dtype, causal, deterministic=False):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"_split{c[4]}")
 def test_both_passes_are_correct(case, dtype, causal):
-    """The default and seeds (both passes) and random points, on normal, x10 and equal inputs."""
+    """The default and seeds, random points and the mma kernel's default with each pass, on
+    normal, x10 and equal inputs (on sm_90 the default and first seeds are wgmma pairs, which
+    take the key-major pass only)."""
     problem = _problem(*case, dtype, causal)
     points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal, seeds=12)
+    mma = FAMILY._mma_default(problem, _target())
+    points += [q for q in ({**mma, "colsum": "fused", "km_split": 1}, {**mma, "colsum": "key_major"})
+               if q not in points and FAMILY.is_valid(problem, _target(), q)]
     ways = {p["colsum"] for p in points}
     assert ways == {"fused", "key_major"}, ways
     failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=13)
