@@ -125,7 +125,7 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     colsum = build_variant(FAMILY, problem, params, TARGET).source
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
     attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "engine": "mma",
-                                                             "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block", **{
+                                                             "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block", **{
         k: params[k] for k in space_of(ATTENTION).names if k in params}}, TARGET).source
     assert _main_loop(colsum).startswith(_main_loop(attention))
     assert colsum.count("// S = Q K^T (raw scores, fp32)") == 2, "qk_scores is rendered again for the second pass"
@@ -148,7 +148,7 @@ def test_on_hopper_the_wgmma_attention_kernel_is_the_attention_familys_then_the_
     params = _wgmma(problem, km_split=2)
     variant = build_variant(FAMILY, problem, params, TARGET)
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
-    attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "queue": False, "merge": "last_block",
+    attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "queue": False, "chain": False, "merge": "last_block",
                                                              **{k: params[k] for k in space_of(ATTENTION).names
                                                                 if k in params}}, TARGET)
     assert variant.name == "attention_colsum_kmajor64x64c2_" + attention.name.removeprefix("attention_")

@@ -143,7 +143,7 @@ def test_invalid_params_are_refused():
 
 def test_variant_name_and_launch():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", ("causal",))
-    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block", "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
+    params = {"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block", "block_m": 128, "block_n": 64, "warps": 8, "stages": 2, "layout": "swizzle", "q_in": "registers",
               "pack": False, "splits": 1, "key_warps": 1}
     v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     assert v.name == "attention_bf16_d128_causal_m128_n64_w8_s2_swz_qreg"
@@ -402,7 +402,7 @@ def test_new_problems_compile_for_sm80_and_sm90(shape, dtype, options):
 # --- the wgmma engine (sm_90a) ------------------------------------------------------------------
 
 WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1,
-         "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block"}
+         "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block"}
 
 
 def test_wgmma_variant_name_and_launch_take_tensor_maps():
@@ -467,6 +467,26 @@ def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_dec
     assert FAMILY.default_params(d96, sm90)["engine"] == "mma"  # no 64-column boxes for D = 96
     seeds = FAMILY.seed_params(prefill, sm90)
     assert FAMILY._mma_default(prefill, sm90) in seeds and FAMILY.default_params(prefill, sm90) not in seeds
+
+
+def test_chained_tiles_are_persistent_overlapped_wgmma_and_the_d128_ping_pong_default():
+    """`chain` issues a block's next tile's first S with its current tile's last P.V: only
+    persistent overlapped blocks have both; the default takes it for persistent ping-pong at D = 128."""
+    sm90 = Target.for_arch("90")
+    full = FAMILY.problem("4,16,4096,128", "bfloat16")
+    default = FAMILY.default_params(full, sm90)
+    assert (default["pingpong"], default["persistent"], default["chain"]) == (True, True, True)
+    variant = build_variant(FAMILY, full, default, sm90)
+    assert variant.name.endswith("_pers_chain") and "fin_sum" in variant.source and "primed = chained" in variant.source
+    plain = build_variant(FAMILY, full, {**default, "chain": False}, sm90)
+    assert "fin_sum" not in plain.source and plain.launches == variant.launches
+    for flags, d in (((), 64), (("causal",), 128)):  # three consumers at D = 64; causal blocks are not persistent
+        assert not FAMILY.default_params(FAMILY.problem(f"4,16,4096,{d}", "bfloat16", flags), sm90)["chain"]
+    for change in ({"persistent": False, "queue": False}, {"overlap": False, "pingpong": False}):
+        with pytest.raises(UserError, match="next tile"):
+            build_variant(FAMILY, full, {**default, **change}, sm90)
+    causal = FAMILY.problem("4,16,4096,128", "bfloat16", ("causal",))
+    assert any(p.get("chain") and p.get("queue") for p in FAMILY.seed_params(causal, sm90)[:4])
 
 
 def test_short_causal_rows_default_to_persistent_blocks_taking_tiles_from_a_queue():

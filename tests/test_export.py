@@ -189,20 +189,21 @@ HOST_VARIANTS = {
     "softmax_two_launches": (SOFTMAX, "32x131072", "float32", {"split": 4, "combine": "launches"}),
     "softmax_cooperative_grid": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "grid"}),
     "softmax_cluster_of_16": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "cluster"}),
-    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {"engine": "mma", "overlap": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block",
-                                                                       "pingpong": False, "block_m": 128,
+    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {"engine": "mma", "overlap": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False,
+                                                                       "merge": "last_block", "pingpong": False, "block_m": 128,
                                                                        "block_n": 64, "warps": 4, "stages": 2}),
     "attention_tensor_maps": (ATTENTION, "1,32,8192,128", "bfloat16", {
-        "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "merge": "last_block", "block_m": 128, "block_n": 128, "stages": 2,
+        "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block", "block_m": 128, "block_n": 128, "stages": 2,
         "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
     # the key splits of each query tile merged inside a cluster, no workspace
     "attention_split_cluster": (ATTENTION, "1,2,2048,128", "bfloat16", {
         "engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False,
-        "queue": False, "block_m": 64, "block_n": 64, "warps": 4, "stages": 2, "splits": 2, "merge": "cluster"}),
-    # persistent blocks taking tiles from a counter in the workspace, which the last block resets
+        "queue": False, "chain": False, "block_m": 64, "block_n": 64, "warps": 4, "stages": 2, "splits": 2, "merge": "cluster"}),
+    # persistent blocks taking tiles from a counter in the workspace, which the last block resets,
+    # each tile's first S issued with the last P.V of the one before
     "attention_tensor_maps_queue": (ATTENTION, "1,32,8192,128", "bfloat16", {
         "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": True,
-        "queue": True, "block_m": 128, "block_n": 128, "stages": 2,
+        "queue": True, "chain": True, "block_m": 128, "block_n": 128, "stages": 2,
         "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
 }
 

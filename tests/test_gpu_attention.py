@@ -112,6 +112,39 @@ def test_persistent_blocks_taking_tiles_from_a_queue_are_right_launch_after_laun
             assert not wrong, f"{variant.name}, launch {seed}: {wrong}"
 
 
+@pytest.mark.parametrize("shape, options", [
+    ("2,16,1000,128", {}),
+    ("2,16,1000,128", {"causal": True}),
+    ("1,32,2048,64", {"causal": True, "kv_heads": 8}),
+    ("2,4,1000,64", {"kv_len": 300, "causal": True}),  # queries before the keys start: tiles with no key
+    ("3,8,777,128", {"kv_len": 3333, "causal": True, "window_left": 200, "softcap": 30.0}),
+    ("2,8,1500,128", {"window_right": 5}),
+])
+def test_chained_tiles_are_right_launch_after_launch(shape, options):
+    """Persistent blocks that issue the next tile's first S with the current tile's last P.V: every
+    chained point among the seeds and the default's tiles chained (ping-pong or not, queue or
+    not, tiles without keys that break the chain), on fresh inputs in two launches."""
+    from autosoft.runtime import LoadedVariant
+
+    if _target().arch != "90":
+        pytest.skip("the wgmma kernel needs sm_90a")
+    problem = FAMILY.problem(shape, "bfloat16", options)
+    default = FAMILY.default_params(problem, _target())
+    assert default["engine"] == "wgmma"
+    points = [p for p in FAMILY.seed_params(problem, _target()) if p.get("chain")][:3]
+    mine = {**default, "persistent": True, "chain": True}
+    if mine not in points and FAMILY.is_valid(problem, _target(), mine):
+        points.append(mine)
+    assert points
+    variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
+    for variant, result in zip(variants, _compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        loaded = LoadedVariant(variant, result.cubin)
+        for seed in (4, 5):
+            wrong = verify(FAMILY, loaded, seed=seed)
+            assert not wrong, f"{variant.name}, launch {seed}: {wrong}"
+
+
 def test_scale_is_a_runtime_argument():
     import cupy as cp
 

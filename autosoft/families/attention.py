@@ -202,7 +202,8 @@ class AttentionFamily(Family):
             return (name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
                     + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else "")
                     + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else "")
-                + ("_pers" if p.get("persistent") else "") + ("_queue" if p.get("queue") else ""))
+                + ("_pers" if p.get("persistent") else "") + ("_queue" if p.get("queue") else "")
+                + ("_chain" if p.get("chain") else ""))
         name += (f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
                  f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
         if p["q_in"] == "registers":
@@ -233,7 +234,7 @@ class AttentionFamily(Family):
                 "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
                 "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
                 "persistent": bool(values.get("persistent", False)), "queue": bool(values.get("queue", False)),
-                "mma_helpers": False, "merge": values.get("merge", "last_block"), "lpt_heads": self._lpt_heads(problem, values)}
+                "chain": bool(values.get("chain", False)), "mma_helpers": False, "merge": values.get("merge", "last_block"), "lpt_heads": self._lpt_heads(problem, values)}
 
     @staticmethod
     def _lpt_heads(problem: Problem, values: Mapping[str, Any]) -> int:
@@ -283,7 +284,8 @@ class AttentionFamily(Family):
         blocks two of which share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster).
         Without a mask the blocks are persistent; causal with at most 32 heads orders the tiles
         longest first across heads; causal rows of up to 1024 keys at D = 64 run persistent blocks
-        that take their tiles from a queue (10 to 14 % faster there). Among the variants timed on an H200 (bf16: 4x16x4096x128,
+        that take their tiles from a queue (10 to 14 % faster there); at D = 128 persistent
+        ping-pong blocks chain their tiles (the next tile's first S issued with the last P.V). Among the variants timed on an H200 (bf16: 4x16x4096x128,
         8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
         16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
         and 1.6 to 2.2 times the mma kernel's default. Decoding keeps the mma kernel (below).
@@ -313,7 +315,7 @@ class AttentionFamily(Family):
         # without a mask (16x16x512x64, 4x16x1024x128, 4x16x4096x128); with causal's tiles of
         # unequal length the static share of tiles per block loses as much
         base: dict[str, ParamValue] = {
-            "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "queue": False, "stages": 2,
+            "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "queue": False, "chain": False, "stages": 2,
             "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
             "pack": False, "splits": 1, "merge": "last_block"}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
@@ -330,9 +332,17 @@ class AttentionFamily(Family):
         wide = d == 64 and n > 96  # three consumer warpgroups
         # causal with few heads: the tail of light tiles weighs, so order longest first across heads
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
+        # two ping-pong consumers with a next tile (persistent, D = 128): the next tile's first S
+        # issued with the last P.V (bf16 on an H200, 4x16x4096x128 and 8x32x2048x128 full: 1 to 2 %
+        # faster; with one or three consumers at D = 64, 2 to 8 % slower)
         p = self._declared({**base, "block_m": 192 if wide else 128, "pingpong": not wide, "blocks_per_sm": 1,
-                            "lpt": "causal" in problem.flags and b * h <= 32})
-        return p if self._valid_point(problem, target, p) else None
+                            "lpt": "causal" in problem.flags and b * h <= 32,
+                            "chain": d == 128 and not wide and bool(base["persistent"])})
+        # where two Q buffers do not fit beside the K/V ring (D = 256), one block per tile
+        for point in (p, {**p, "persistent": False, "chain": False}):
+            if self._valid_point(problem, target, point):
+                return point
+        return None
 
     def _mma_default(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
         """The mma kernel's default (see default_params)."""
@@ -401,8 +411,9 @@ class AttentionFamily(Family):
         """Hopper variants worth measuring, the likeliest first. Tile shapes: the default's first,
         then FlashAttention-3's (128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64 keys for
         D = 256, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
-        persistent blocks taking tiles from a queue, longest first across heads or not, then one
-        block per tile with and without that order; else persistent or not. The first tile under
+        persistent blocks taking tiles from a queue, longest first across heads (chained or not) or
+        not, then one block per tile with and without that order; else persistent (chained or not)
+        or not. The first tile under
         every schedule comes first, then every other tile under the first schedule, then the rest
         (two stages before three), the serial schedule last: a short tune sees each tile and each
         schedule. The space drops what does not fit."""
@@ -410,7 +421,7 @@ class AttentionFamily(Family):
             return []
         fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
                  "pack": False, "splits": 1, "merge": "last_block", "blocks_per_sm": 1, "lpt": False,
-                 "persistent": False, "queue": False, "overlap": True}
+                 "persistent": False, "queue": False, "chain": False, "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
         tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
                  (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
@@ -419,10 +430,11 @@ class AttentionFamily(Family):
             mine = (default["block_m"], default["block_n"], default["pingpong"], default["blocks_per_sm"])
             tiles = [mine] + [t for t in tiles if t != mine]
         if "causal" in problem.flags:  # tiles of unequal length
-            schedules = [{"persistent": True, "queue": True, "lpt": True}, {"persistent": True, "queue": True},
+            schedules = [{"persistent": True, "queue": True, "lpt": True},
+                         {"persistent": True, "queue": True, "lpt": True, "chain": True}, {"persistent": True, "queue": True},
                          {"lpt": True}, {}, {"persistent": True, "lpt": True}]
         else:
-            schedules = [{"persistent": True}, {}]
+            schedules = [{"persistent": True}, {"persistent": True, "chain": True}, {}]
 
         def point(tile: tuple, schedule: dict, stages: int) -> dict[str, ParamValue]:
             m, n, pp, bps = tile
@@ -450,7 +462,7 @@ class AttentionFamily(Family):
         """The engine and the wgmma schedules at their mma values, those the space declares (a
         family that extends the kernel may declare fewer, or no engine)."""
         return self._declared({"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1,
-                               "lpt": False, "persistent": False, "queue": False, "merge": "last_block"})
+                               "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block"})
 
     def _declared(self, p: Mapping[str, ParamValue]) -> dict[str, ParamValue]:
         """p's values of the parameters the space declares, with the family's own (`_own_params`)
