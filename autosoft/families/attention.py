@@ -282,10 +282,12 @@ class AttentionFamily(Family):
         128-key tiles (80 for D = 256, where shared memory is short), two stages; for D = 64 three
         consumers (192 rows) without ping-pong, and up to 1024 queries one consumer of 64 rows in
         blocks two of which share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster).
-        Without a mask the blocks are persistent; causal with at most 32 heads orders the tiles
-        longest first across heads; causal rows of up to 1024 keys at D = 64 run persistent blocks
-        that take their tiles from a queue (10 to 14 % faster there); at D = 128 persistent
-        ping-pong blocks chain their tiles (the next tile's first S issued with the last P.V). Among the variants timed on an H200 (bf16: 4x16x4096x128,
+        Without a mask the blocks are persistent (at D = 256 one block per tile: two Q buffers do
+        not fit beside the K/V ring); causal with at most 32 heads orders the tiles longest first
+        across heads; causal rows of up to 1024 keys at D = 64 run persistent blocks that take
+        their tiles from a queue (10 to 14 % faster there); at D = 128 persistent ping-pong blocks
+        chain their tiles (the next tile's first S issued with the last P.V: 1 to 2 % faster).
+        Among the variants timed on an H200 (bf16: 4x16x4096x128,
         8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
         16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
         and 1.6 to 2.2 times the mma kernel's default. Decoding keeps the mma kernel (below).
