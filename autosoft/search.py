@@ -122,9 +122,11 @@ class Search:
         return self._running_elsewhere
 
     # -- taking points ----------------------------------------------------------------------
-    def ask(self) -> Proposal | None:
+    def ask(self, budget: int | None = None) -> Proposal | None:
         """The next point to evaluate, claimed for this worker: a dead worker's trial first, then
-        the seeds, then the sampler's; None when every valid point has been tried."""
+        the seeds, then the sampler's; None when every valid point has been tried, or when
+        `budget` points of the study (measured or being measured, by any worker) came before this
+        worker's claim: workers sharing a study that each saw one point left take one between them."""
         self.refresh()
         if self._retries:
             params, number = self._retries.pop(0)
@@ -147,7 +149,10 @@ class Search:
                 self.study.tell(trial, state=TrialState.PRUNED)
                 seeded = False
             params = dict(self._valid[row])  # the declared values, not the caller's
-            if self._claim(params, first=True):
+            claimed = self._claim(params, first=True, budget=budget)
+            if claimed is None:
+                return None  # the budget went to other workers' claims since the refresh
+            if claimed:
                 return Proposal(params, seeded)
             # another worker claimed this point since the refresh: it is tried; choose again
 
@@ -157,11 +162,13 @@ class Search:
         self._retries = [(p, n) for p, n in self._retries if self._key(p) != self._key(params)]
         self._claim(dict(params))
 
-    def _claim(self, params: dict[str, ParamValue], retry_of: int | None = None, first: bool = False) -> bool:
+    def _claim(self, params: dict[str, ParamValue], retry_of: int | None = None, first: bool = False,
+               budget: int | None = None) -> bool | None:
         """Add this worker's RUNNING trial of the point. With `first`, keep it only if no other
         worker's claim or measurement of the point came before it in the study (trial numbers
         follow the order the storage took them in, so of two workers claiming one point at once
-        exactly one keeps it); the other claim is withdrawn and False returned."""
+        exactly one keeps it); the other claim is withdrawn and False returned. With a `budget`,
+        the claim is also withdrawn, and None returned, when that many points came before it."""
         key = self._key(params)
         row = self._row.get(key)
         if row is not None:
@@ -173,11 +180,18 @@ class Search:
             params=params, distributions=self._distributions, state=TrialState.RUNNING, user_attrs=attrs))
         if first:
             number = self._storage.get_trial_number_from_id(trial_id)
+            earlier: set[tuple] = set()  # the points claimed or measured before this claim
             for t in self._storage.get_all_trials(self._study_id, deepcopy=False):
-                if (t.number < number and t.params and self._key(t.params) == key
-                        and _point_state(t) in ("measured", "running")):
-                    self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
-                    return False
+                if t.number < number and t.params and _point_state(t) in ("measured", "running"):
+                    earlier.add(self._key(t.params))
+            if key in earlier:
+                self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
+                return False
+            if budget is not None and len(earlier) >= budget:
+                self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
+                if row is not None:
+                    self._tried[row] = False  # nobody measures it: untried, as before the claim
+                return None
         self._mine[key] = trial_id
         self._spent += 1
         return True

@@ -310,7 +310,7 @@ def run_trials(family: Family, problem: Problem, target: Target, runner: Runner,
 
     def refill() -> None:
         while len(in_flight) < max(1, runner.depth) and search.spent() < trials:
-            proposal = search.ask()
+            proposal = search.ask(budget=trials)
             if proposal is None:
                 return
             variant = build_variant(family, problem, proposal.params, target)

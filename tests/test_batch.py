@@ -227,8 +227,9 @@ def test_journal_workers_of_one_host_equal_one_process_and_resume_does_nothing(s
     for p in eight:
         name = next(n for n in studies if n.startswith(f"softmax/{p.dtype}/{p.shape_text}/"))
         trials = storage.get_all_trials(studies[name]._study_id)
-        # a live worker taken for dead on a loaded machine leaves its trial reaped (it carries
-        # `reaped_by`, and its status if the reaper came between the two writes) and measured again
+        # 40 points measured once each: never one past the budget (the owner and a helper that each
+        # saw one point left take one between them); a live worker taken for dead on a loaded
+        # machine leaves its trial reaped (marked `reaped_by`), which the re-run replaces
         measured = [t for t in trials if "status" in t.user_attrs and "reaped_by" not in t.user_attrs]
         assert len(measured) == 40, "resume evaluated nothing again"
 

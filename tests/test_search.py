@@ -129,6 +129,31 @@ def test_resuming_a_stored_study_never_repeats_a_finished_point(tmp_path):
     assert len(second.finished()) == first_run + 10
 
 
+def test_workers_that_each_see_one_point_left_take_one_between_them(tmp_path, monkeypatch):
+    """Two workers share a study with a budget of 4 points and 3 taken: both refreshed before
+    either claimed, so each counts 3; the claim the storage took first is kept, the other is
+    withdrawn (ask returns None) and its point stays untried for that worker."""
+    space, valid, seeds = _softmax_setup((64, 1000), "float32")
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = Search(space, valid, seeds=seeds, seed=2, storage=storage, study_name="s", worker="a",
+                   is_live=lambda w: True)
+    for i in range(3):
+        p = first.ask(budget=4)
+        first.tell(p.params, 5.0 + i, "ok")
+    second = Search(space, valid, seed=3, storage=storage, study_name="s", worker="b", is_live=lambda w: True)
+    first.refresh()
+    second.refresh()
+    assert first.spent() == second.spent() == 3
+    with monkeypatch.context() as m:
+        m.setattr(Search, "refresh", lambda self: None)  # both ask with what they saw: one point left
+        kept = first.ask(budget=4)
+        lost = second.ask(budget=4)
+    assert kept is not None and lost is None
+    second.refresh()
+    assert second.spent() == 4, "the withdrawn claim is not a point of the study"
+    assert first.ask(budget=5) is not None, "a larger budget still proposes"
+
+
 def _synthetic_best_percentiles(space, valid, runs: int, asks: int, use_search: bool) -> list[float]:
     """time = 1 + L1 distance (in value-index steps) from a hidden optimum; the fraction of valid
     points strictly better than the best point found in `asks` proposals, per run."""
