@@ -46,6 +46,12 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
 SPLITS_MAX = 32
+# the wgmma kernel's schedules switched off: the mma kernel's values, where a wgmma point starts from
+_SCHEDULES_OFF: dict[str, ParamValue] = {"overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
+                                         "persistent": False, "queue": False, "chain": False, "merge": "last_block"}
+# the mma-only parameters at the one value each keeps under wgmma (the space's constraint)
+_WGMMA_FIXED: dict[str, ParamValue] = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem",
+                                       "layout": "swizzle", "pack": False, "splits": 1}
 
 # ||o - ref|| / ||ref|| over the whole output; a single row may be off by ROW_FACTOR times more.
 # The error comes from rounding P to the input dtype before P.V and rounding O on output.
@@ -316,10 +322,9 @@ class AttentionFamily(Family):
         # persistent blocks overlap a tile's loads with the previous tile's end: 3 to 15 % faster
         # without a mask (16x16x512x64, 4x16x1024x128, 4x16x4096x128); with causal's tiles of
         # unequal length the static share of tiles per block loses as much
-        base: dict[str, ParamValue] = {
-            "engine": "wgmma", "overlap": True, "persistent": "causal" not in problem.flags, "queue": False, "chain": False, "stages": 2,
-            "block_n": 80 if d == 256 else 128, "warps": 4, "key_warps": 1, "layout": "swizzle", "q_in": "smem",
-            "pack": False, "splits": 1, "merge": "last_block"}
+        base: dict[str, ParamValue] = {**_SCHEDULES_OFF, **_WGMMA_FIXED, "overlap": True,
+                                       "persistent": "causal" not in problem.flags, "stages": 2,
+                                       "block_n": 80 if d == 256 else 128}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
             short = {"block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
             if "causal" in problem.flags and "queue" in self.space.names:
@@ -421,9 +426,7 @@ class AttentionFamily(Family):
         schedule. The space drops what does not fit."""
         if "engine" not in self.space.names:
             return []
-        fixed = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle",
-                 "pack": False, "splits": 1, "merge": "last_block", "blocks_per_sm": 1, "lpt": False,
-                 "persistent": False, "queue": False, "chain": False, "overlap": True}
+        fixed = {**_SCHEDULES_OFF, **_WGMMA_FIXED, "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
         tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
                  (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
@@ -463,8 +466,7 @@ class AttentionFamily(Family):
     def _mma(self) -> dict[str, ParamValue]:
         """The engine and the wgmma schedules at their mma values, those the space declares (a
         family that extends the kernel may declare fewer, or no engine)."""
-        return self._declared({"engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1,
-                               "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block"})
+        return self._declared({"engine": "mma", **_SCHEDULES_OFF})
 
     def _declared(self, p: Mapping[str, ParamValue]) -> dict[str, ParamValue]:
         """p's values of the parameters the space declares, with the family's own (`_own_params`)
