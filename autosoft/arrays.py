@@ -294,6 +294,11 @@ class _TorchArrays(_Framework):
                 launch(x, y, *scalars, stream(device))
                 return (out,) if given is None else (given.copy_(out),)
 
+            native = getattr(launch, "native", None)
+            if native is not None and sorted(at for _, at in native.pointers) == [0, 1]:
+                # what autosoft.native's compiled kernels replay: the input's address into one
+                # word, a fresh output's into the other (any other case stays here)
+                plan_one.native = native  # type: ignore[attr-defined]
             return plan_one
 
         fix_strided, strides_of = self.fix_strided, self.strides

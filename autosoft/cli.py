@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", type=user_path, required=True, metavar="DIR",
                         help="folder to write index.html and the PNGs into (created)")
     report.add_argument("--open", action="store_true", help="print the path of index.html (starts nothing)")
+    native = sub.add_parser("native", help="build the compiled torch operator kernels (torch, a C++ compiler, ninja)",
+                            description="Build autosoft/native_ops.cpp for this torch: from then on, "
+                                        "torch.ops.autosoft.softmax and log_softmax launch tuned kernels from "
+                                        "C++ on CUDA tensors, with no Python in a call (see autosoft/native.py). "
+                                        "Built once per torch version, into the folder beside the kernel cache.")
+    native.add_argument("--force", action="store_true", help="build again even where a build exists")
+    native.add_argument("--verbose", action="store_true", help="show the compiler's output")
     return parser
 
 
@@ -196,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 where = " ".join(w for w in ("autosoft", args.command, getattr(args, "family", None)) if w)
                 raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `{where} --help`)")
             code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render,
-                    "report": cmd_report, "collect": cmd_collect}[args.command](args)
+                    "report": cmd_report, "collect": cmd_collect, "native": cmd_native}[args.command](args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a reader that went away shows here, where it is caught, not at exit
             return code
@@ -515,6 +523,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(f"wrote {result.index} and {len(result.pngs)} PNGs for {result.problems} problems "
           f"in {result.seconds:.1f} s")
     return 0
+
+
+def cmd_native(args: argparse.Namespace) -> int:
+    """Build the compiled operator kernels (autosoft.native) and say where they are."""
+    from . import native
+
+    started = time.perf_counter()
+    existed = not args.force and _native_built(native)
+    path = native.build(force=args.force, verbose=args.verbose)
+    took = "" if existed else f" in {time.perf_counter() - started:.0f} s"
+    print(f"{'already built' if existed else 'built'}{took}: {path}")
+    print("torch.ops.autosoft.softmax and log_softmax take it from the next `import autosoft.torch_ops` "
+          "(AUTOSOFT_NATIVE=0 leaves it unloaded)")
+    return 0
+
+
+def _native_built(native: Any) -> bool:
+    try:
+        return bool(native.library_path().exists())
+    except ImportError:
+        return False  # build() says what is missing
 
 
 def cmd_render(args: argparse.Namespace) -> int:

@@ -64,6 +64,9 @@ class Dispatcher:
         # the API's hot path (arrays.call_family): (family, options, scalar names, each array's
         # dtype, shape and device) -> the call's prepared plan
         self.fast: dict[tuple, Callable[..., tuple]] = {}
+        # called after load_cache and forget clear the caches above (autosoft.native's records,
+        # which replay plans of `fast`, must go with them)
+        self._on_clear: list[Callable[[], None]] = []
 
     # -- cache files --------------------------------------------------------------------
     def load_cache(self, path: str | Path) -> int:
@@ -75,6 +78,7 @@ class Dispatcher:
             self._entries = None
             self._loaded.clear()
             self.fast.clear()
+            self._cleared()
         return count
 
     def entries(self) -> list[Entry]:
@@ -95,6 +99,18 @@ class Dispatcher:
             self._entries = None
             self._loaded.clear()
             self.fast.clear()
+            self._cleared()
+
+    def on_clear(self, callback: Callable[[], None]) -> None:
+        """Call `callback` each time load_cache or forget clears the in-memory caches (a cache of
+        what they hold, kept elsewhere, goes with them)."""
+        with self._lock:
+            if callback not in self._on_clear:
+                self._on_clear.append(callback)
+
+    def _cleared(self) -> None:
+        for callback in self._on_clear:
+            callback()
 
     @property
     def store(self) -> KernelStore:

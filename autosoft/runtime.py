@@ -209,6 +209,12 @@ class LoadedVariant:
                     error = exc
                 on_device(args, error)
 
+            if not values and not workspaces and all(ctypes.sizeof(s) <= 8 for s in raw.slots):
+                # the same launch for compiled code to replay (autosoft.native): nothing but buffer
+                # addresses changes between calls
+                launch.native = NativeLaunch(  # type: ignore[attr-defined]
+                    function_ptr, raw.geometry, tuple(int.from_bytes(bytes(s), "little") for s in raw.slots),
+                    tuple((slot, at) for slot, at in binds if at >= 0))
             return launch
 
         encode = self._tensor_map
@@ -269,6 +275,19 @@ class LoadedVariant:
                 held = (ws, ws.data.ptr)
             self._workspaces[stream_ptr] = held
         return held[1]
+
+
+@dataclass(frozen=True)
+class NativeLaunch:
+    """A launch that compiled code can replay (autosoft.native): one kernel, not cooperative, no
+    workspace, no tensor map, no scalar set per call, every parameter at most 8 bytes. `words`:
+    each parameter's bytes as a little-endian integer, the buffers' slots zero; `pointers`: (the
+    parameter's index, the position of the launcher argument whose address goes there)."""
+
+    function: int
+    geometry: tuple[int, ...]  # grid x, y, z, block x, y, z, dynamic shared memory bytes
+    words: tuple[int, ...]
+    pointers: tuple[tuple[int, int], ...]
 
 
 class _RawLaunch:

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from . import native
 from .arrays import call_along, call_family
 from .autograd import no_backward_error
 from .dispatch import DISPATCHER
@@ -115,15 +116,19 @@ def register() -> None:
         lib = torch.library.Library("autosoft", "DEF")
         for name in OPS:
             lib.define(name + _SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
+        kernels = {}
         for name in OPS:
             real, fake = _IMPLS[name]
             # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
             lib.impl(name, real, "CompositeExplicitAutograd")
             torch.library.register_fake(f"autosoft::{name}", fake, lib=lib)  # also the Meta kernel
             op = getattr(torch.ops.autosoft, name).default
-            kernel = _autograd_kernel(torch, name, op, real, _PLAN_OPTIONS.get(name))
+            kernel = kernels[name] = _autograd_kernel(torch, name, op, real, _PLAN_OPTIONS.get(name))
             lib.impl(name, kernel, "Autograd", with_keyset=True)
         _lib = lib
+        # where `autosoft native` built them: compiled AutogradCUDA kernels for softmax and
+        # log_softmax, which fall back on the Python kernels above for what they do not take
+        native.enable({name: (kernels[name], _PLAN_OPTIONS[name]) for name in native.OPS})
         ops = torch.ops.autosoft
         softmax, log_softmax = ops.softmax.default, ops.log_softmax.default
         softmax_backward = ops.softmax_backward.default

@@ -6,7 +6,8 @@ and of its torch operator, against torch.softmax, on a tuned 4096x128 float32 CU
 Each piece is called 2000 times per round after 50 warm-up calls, then the GPU is synchronised;
 the median of 7 rounds. The kernels take ~5 us of GPU time, so the loops are host-bound: these
 are the host's costs. "launch (pointers given)" is the plan's launch function alone (argument
-slots written, cuLaunchKernel), "plan((x,), ())" the cached plan (allocation and launch)."""
+slots written, cuLaunchKernel), "plan((x,), ())" the cached plan (allocation and launch). The operator's kernel is the compiled
+one where `autosoft native` built it (AUTOSOFT_NATIVE=0: the Python one)."""
 import json
 import statistics
 import sys
@@ -15,6 +16,7 @@ import time
 import torch
 import autosoft
 import autosoft.torch_ops  # noqa: F401
+from autosoft import native
 from autosoft.dispatch import DISPATCHER
 
 autosoft.load_cache(sys.argv[1])
@@ -54,4 +56,5 @@ for _ in range(7):
         torch.cuda.synchronize()
         res[name].append((time.perf_counter() - t) / 2000 * 1e6)
 out = {k: statistics.median(v) for k, v in res.items()}
+out["operator kernel"] = "compiled (autosoft.native)" if native.enabled() else "Python"
 print(json.dumps(out, indent=1))

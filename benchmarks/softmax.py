@@ -170,14 +170,31 @@ def host_overhead(torch, cache_path: Path, calls=2000, rounds=7) -> dict:
         return (time.perf_counter() - t0) / calls * 1e6
 
     import autosoft.torch_ops  # noqa: F401 - registers torch.ops.autosoft
+    from autosoft import native
 
     operator = torch.ops.autosoft.softmax
-    medians = medians_in_turns({"autosoft": lambda: per_call_us(autosoft.softmax),
-                                "operator": lambda: per_call_us(lambda t: operator(t, -1)),
-                                "torch": lambda: per_call_us(lambda t: torch.softmax(t, -1))}, rounds)
+    contenders = {"autosoft": lambda: per_call_us(autosoft.softmax),
+                  "operator": lambda: per_call_us(lambda t: operator(t, -1)),
+                  "torch": lambda: per_call_us(lambda t: torch.softmax(t, -1))}
+    compiled = native.enabled()  # `autosoft native` built the compiled kernels: the operator is theirs
+
+    def python_kernel_operator() -> float:
+        native.disable()
+        try:
+            return per_call_us(lambda t: operator(t, -1))
+        finally:
+            native.enable()
+
+    if compiled:  # the same operator with the Python kernels, in the same turns
+        contenders["operator_python"] = python_kernel_operator
+    medians = medians_in_turns(contenders, rounds)
     out = {f"{name}_us_per_call": us for name, us in medians.items()}
     out["ratio"] = out["autosoft_us_per_call"] / out["torch_us_per_call"]
     out["operator_ratio"] = out["operator_us_per_call"] / out["torch_us_per_call"]
+    out["operator_kernel"] = "compiled (autosoft.native)" if compiled else "Python"
+    if compiled:
+        out["operator_python_ratio"] = out["operator_python_us_per_call"] / out["torch_us_per_call"]
+        out["operator_compiled_launches"] = native.launches()
     out["rounds"], out["calls_per_round"] = rounds, calls
     out["shape"], out["dtype"] = HOST_SHAPE, HOST_DTYPE
     choice = DISPATCHER.choose(problem)
@@ -270,7 +287,10 @@ def print_table(result: dict) -> None:
     print(f"\nautosoft.softmax on {h['shape']} {h['dtype']}: {h['autosoft_us_per_call']:.2f} us/call from Python, "
           f"torch.softmax {h['torch_us_per_call']:.2f} us/call (ratio {h['ratio']:.2f}; median of {h['rounds']} rounds "
           f"taking turns, in a fresh process; {h['variant_source']} {h['variant']}); torch.ops.autosoft.softmax "
-          f"{h.get('operator_us_per_call', float('nan')):.2f} us/call (ratio {h.get('operator_ratio', float('nan')):.2f})")
+          f"{h.get('operator_us_per_call', float('nan')):.2f} us/call (ratio {h.get('operator_ratio', float('nan')):.2f}, "
+          f"{h.get('operator_kernel', 'Python')} kernel)"
+          + (f"; with the Python kernel {h['operator_python_us_per_call']:.2f} us/call "
+             f"(ratio {h['operator_python_ratio']:.2f})" if "operator_python_us_per_call" in h else ""))
 
 
 if __name__ == "__main__":

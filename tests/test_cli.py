@@ -98,6 +98,21 @@ def test_tune_without_a_device_is_a_one_line_error(tmp_path):
     assert not explicit.exists(), "no cache file is created before the device is found"
 
 
+def _torch_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.skipif(_torch_importable(), reason="checks the message where torch is missing (the GPU tier builds it)")
+def test_native_without_torch_is_a_one_line_error(tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = run_cli(["native"], cache_dir, cwd=tmp_path)
+    line = _assert_user_error(result, cache_dir)
+    assert "needs torch" in line
+    assert not (cache_dir / "native").exists()
+
+
 def test_render_prints_a_kernel(tmp_path):
     cache_dir = tmp_path / "cache"
     result = run_cli(["render", "softmax", "--shape", "4096x1000", "--dtype", "float16",

@@ -39,8 +39,13 @@ def _assert_gradient(x, dim, log, seed):
     y64, ref = _reference(x, dy, dim, log)
     atol, rtol = TOL[x.dtype]
     scale = dy.double().abs().amax() * (1.0 if log else 1.0 + y64.abs().amax())
+    allowed = atol * scale + rtol * ref.abs()
+    if log:
+        # dx = dy - e^y sum(dy): the sum over a line, rounded in float32, errs by up to a few ulps of
+        # sum|dy| (8192 terms: ~1e-4 where e^y is near 1, against atol*scale ~1e-5 in float32)
+        allowed = allowed + y64.exp() * dy.double().abs().sum(dim=dim, keepdim=True) * 2.0 ** -22
     err = (dx.double() - ref).abs()
-    bad = ~(err <= atol * scale + rtol * ref.abs())
+    bad = ~(err <= allowed)
     assert not bad.any(), (f"{int(bad.sum())} of {dx.numel()} off; worst {float(err.max())} "
                            f"(allowed {float(atol * scale)} + {rtol}|ref|)")
 
@@ -49,6 +54,7 @@ def _assert_gradient(x, dim, log, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_gradients_along_each_dim_of_a_3d_input_match_torch(dim, dtype, log):
+    torch.manual_seed(dim)  # the same inputs each run
     x = (torch.randn(6, 33, 1000, device="cuda") * 3).to(dtype)
     x[0, 1, ::3] = float("-inf")  # -inf entries: softmax 0 and no gradient there (log: dx = dy)
     x[2, :20, 7] = float("-inf")  # no whole line along any dim: those give NaN, as in torch
@@ -59,6 +65,7 @@ def test_gradients_along_each_dim_of_a_3d_input_match_torch(dim, dtype, log):
 @pytest.mark.parametrize("shape", SWEEP, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gradients_on_the_sweep_shapes_match_torch(shape, log):
     for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(shape[0])  # the same inputs each run
         _assert_gradient(torch.randn(shape, device="cuda").to(dtype) * 4, -1, log, seed=shape[1])
 
 

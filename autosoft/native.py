@@ -1,0 +1,216 @@
+"""Compiled kernels for torch.ops.autosoft.softmax and log_softmax: build, load, record plans.
+
+    autosoft native               # once per torch version: builds native_ops.cpp (a C++ compiler, ninja)
+    import autosoft.torch_ops     # from then on registers the compiled kernels too
+
+Why: an operator whose kernel is Python costs, per call from Python, the dispatcher's hop into
+Python and back, and the output's allocation and cuLaunchKernel through Python wrappers. On the
+H200 machine that was 18 us for torch.ops.autosoft.softmax on a small tuned input against 10 us
+for torch.softmax (BENCHMARKS.md, issue 19). native_ops.cpp is the operators' AutogradCUDA kernel
+in C++: a call whose plan is recorded allocates its output with torch and launches the recorded
+kernel on torch's current stream, no Python in between. Anything else (a first call, gradients,
+another dim, a non-contiguous input, tracing or dispatch modes, a split variant with a workspace)
+comes back to `_miss`: the Python Autograd kernel of autosoft.torch_ops, the same path as without
+the extension, after which the call's plan is recorded when it is a plain launch
+(runtime.NativeLaunch: one kernel, the input's and output's addresses the only words that change).
+
+The extension is built by torch.utils.cpp_extension into <cache folder>/native/<name>, the cache
+folder being kernels.sqlite's (AUTOSOFT_CACHE_DIR or the user cache), <name> naming a sha256 of the
+source, the torch version and the Python ABI: a new torch or autosoft builds anew. It is never built
+on import (a build takes tens of seconds); `enable` only loads one that exists. AUTOSOFT_NATIVE=0
+keeps it unloaded. Records are dropped, with the plans they replay, whenever the dispatcher clears
+its caches (load_cache, forget). Needs torch; imported by autosoft.torch_ops and the CLI only.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .cache import default_cache_path
+from .dispatch import DISPATCHER
+from .errors import UserError
+
+__all__ = ["SOURCE", "OPS", "NativeBuildError", "build", "library_path", "enable", "disable", "enabled", "recorded", "launches"]
+
+SOURCE = Path(__file__).with_name("native_ops.cpp")
+OPS = ("softmax", "log_softmax")
+"""The operators with compiled kernels; native_ops.cpp numbers them by their position here."""
+
+
+class NativeBuildError(UserError):
+    """The extension could not be built (no torch, no compiler or ninja, a compile error)."""
+
+
+_lock = threading.Lock()
+_module: Any = None  # the loaded extension, once enable() found one
+_kernels: dict[int, tuple[Callable[..., Any], tuple]] = {}  # op -> (Python Autograd kernel, plan options)
+_kept: dict[tuple, Any] = {}  # what each record replays: plan key -> plan (keeps its module loaded)
+
+
+def _name(torch: Any) -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + b"\0" + torch.__version__.encode() + b"\0"
+                            + sys.implementation.cache_tag.encode()).hexdigest()[:16]
+    return f"autosoft_native_{digest}"
+
+
+def library_path() -> Path:
+    """Where this torch's build of the extension is (or would be): a .so file."""
+    import torch
+
+    name = _name(torch)
+    return default_cache_path().parent / "native" / name / f"{name}.so"
+
+
+def build(force: bool = False, verbose: bool = False) -> Path:
+    """Build the extension for this torch and Python unless it is built (force: again); returns
+    its path. NativeBuildError, with the reason on one line, where it cannot be built."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        raise NativeBuildError(f"autosoft native: needs torch ({exc})") from None
+    path = library_path()
+    if path.exists() and not force:
+        return path
+    _ninja_on_path()
+    if not shutil.which(os.environ.get("CXX", "c++")):
+        raise NativeBuildError("autosoft native: no C++ compiler (c++, or the one $CXX names) on PATH")
+    if shutil.which("ninja") is None:
+        raise NativeBuildError('autosoft native: needs ninja (pip install ninja, or pip install "autosoft[native]")')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if force and path.exists():
+        path.unlink()
+    try:
+        # cpp_extension builds under a file lock in the folder and moves the library into place
+        cpp_extension.load(name=_name(torch), sources=[str(SOURCE)], build_directory=str(path.parent),
+                           extra_cflags=["-O2"], verbose=verbose)
+    except Exception as exc:  # noqa: BLE001 - a compiler's failure comes as RuntimeError or CalledProcessError
+        raise NativeBuildError(f"autosoft native: building {SOURCE.name} failed "
+                               f"(see {path.parent}; run `autosoft native --verbose`): "
+                               f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}") \
+            from None
+    if not path.exists():
+        raise NativeBuildError(f"autosoft native: the build left no {path}")
+    return path
+
+
+def _ninja_on_path() -> None:
+    """PyPI's ninja installs its binary beside the package; torch looks for `ninja` on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None) -> bool:
+    """Register the compiled kernels (AutogradCUDA of torch.ops.autosoft.softmax and log_softmax)
+    where the extension is built, AUTOSOFT_NATIVE is not 0 and a CUDA driver is present; returns
+    whether they are registered. `kernels`: per operator of OPS, its Python Autograd kernel
+    (called for every call the compiled one does not take) and the softmax family's options as
+    arrays.call_family keys its plans; autosoft.torch_ops.register() passes them, and a later
+    call (after `build`) may leave them out."""
+    global _module
+    with _lock:
+        if kernels is not None:
+            _kernels.clear()
+            _kernels.update({OPS.index(name): kernel for name, kernel in kernels.items()})
+        if os.environ.get("AUTOSOFT_NATIVE", "").strip() == "0":
+            return False
+        if not _kernels:
+            raise RuntimeError("autosoft.native.enable: import autosoft.torch_ops first (it passes the kernels)")
+        if _module is None:
+            path = library_path()
+            if not path.exists():
+                return False
+            launch = _cu_launch_kernel()
+            if launch is None:
+                return False
+            _module = _load(path)
+        else:
+            launch = _cu_launch_kernel()
+        if not _module.enabled():
+            _module.enable(launch, _miss)
+            DISPATCHER.on_clear(_forget)
+        return True
+
+
+def disable() -> None:
+    """Deregister the compiled kernels (the Python ones serve CUDA tensors again) and drop the records."""
+    with _lock:
+        if _module is not None:
+            _module.disable()
+        _kept.clear()
+
+
+def enabled() -> bool:
+    """Whether the compiled kernels are registered."""
+    return _module is not None and bool(_module.enabled())
+
+
+def recorded() -> int:
+    """How many plans the compiled kernels replay."""
+    return int(_module.size()) if _module is not None else 0
+
+
+def launches() -> int:
+    """How many calls the compiled kernels have launched themselves (the others went to Python)."""
+    return int(_module.launches()) if _module is not None else 0
+
+
+def _load(path: Path) -> Any:
+    import torch  # noqa: F401 - the extension links against the libraries importing torch loads
+
+    if path.stem in sys.modules:  # build() loaded it already
+        return sys.modules[path.stem]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"autosoft native: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cu_launch_kernel() -> int | None:
+    """The driver's cuLaunchKernel (the library CuPy launches through), None without a driver."""
+    try:
+        return ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _miss(op: int, keyset: Any, x: Any, dim: int) -> Any:
+    """A call the compiled kernel did not take: the Python Autograd kernel runs it; then, when the
+    call was a plain one along the last dim, its plan is recorded if it is a plain launch."""
+    kernel, options = _kernels[op]
+    y = kernel(keyset, x, dim)
+    # the plan under call_family's key was made for this dtype, shape and device whatever the call
+    # (a subclass such as a fake tensor while tracing aside): the compiled kernel takes it from now on
+    if dim == -1 and type(x) is sys.modules["torch"].Tensor and x.is_cuda:
+        key = ("softmax", options, (), x.dtype, x.shape, x.get_device())
+        if key not in _kept:
+            plan = DISPATCHER.fast.get(key)
+            native = getattr(plan, "native", None)
+            if native is not None:
+                pointers = dict((at, word) for word, at in native.pointers)
+                _module.record(op, x, native.function, list(native.geometry), list(native.words),
+                               pointers[0], pointers[1])
+                _kept[key] = plan
+    return y
+
+
+def _forget() -> None:
+    """The dispatcher cleared its plans: the records go first (clear returns once no launch uses
+    one), then the plans they replay."""
+    if _module is not None:
+        _module.clear()
+    _kept.clear()
