@@ -1,0 +1,72 @@
+"""autosoft.native without a GPU: native_ops.cpp builds against the installed torch, once per
+source and torch; its kernels register for AutogradCUDA (and only there) and deregister; records
+refuse what they cannot launch; `autosoft native` says what it built. Skipped where torch, a C++
+compiler or ninja is missing (the CLI's error for those is tested in test_cli.py)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import autosoft.torch_ops  # noqa: E402,F401 - defines torch.ops.autosoft
+from autosoft import native  # noqa: E402
+from helpers import run_cli  # noqa: E402
+
+native._ninja_on_path()
+if shutil.which("c++") is None or shutil.which("ninja") is None:
+    pytest.skip("needs a C++ compiler and ninja", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def module(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("native-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AUTOSOFT_CACHE_DIR", str(folder))
+        path = native.build()
+        assert path.is_file() and path.parent.parent == folder / "native"
+        assert native.build() == path, "a second build of the same source and torch is the same file"
+        return native._load(path)
+
+
+def _has_kernel(key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("autosoft::softmax", key)
+
+
+def test_the_kernels_register_for_autograd_cuda_only_and_deregister(module):
+    assert not module.enabled() and not _has_kernel("AutogradCUDA")
+    calls = []
+    module.enable(1, lambda *args: calls.append(args))  # a stand-in driver address: nothing is launched here
+    try:
+        assert module.enabled()
+        assert _has_kernel("AutogradCUDA")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("autosoft::log_softmax", "AutogradCUDA")
+        # CPU tensors still reach the Python kernels, which refuse them with the public function's error
+        with pytest.raises(TypeError, match="CPU tensor"):
+            torch.ops.autosoft.softmax(torch.randn(4, 8), -1)
+        assert calls == []
+    finally:
+        module.disable()
+    assert not module.enabled() and not _has_kernel("AutogradCUDA")
+
+
+def test_records_refuse_what_cannot_be_launched(module):
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        module.record(0, x, 1234, [1, 1, 1, 32, 1, 1, 0], [0, 0], 0, 1)
+    meta = torch.empty(4, 8, device="meta")
+    with pytest.raises(RuntimeError, match="no operator"):
+        module.record(7, meta, 1234, [1, 1, 1, 32, 1, 1, 0], [0, 0], 0, 1)
+    assert module.size() == 0
+
+
+def test_the_cli_builds_once_and_says_so(tmp_path):
+    cache_dir = tmp_path / "cache"
+    first = run_cli(["native"], cache_dir, cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("built in ")
+    built = list((cache_dir / "native").glob("*/*.so"))
+    assert len(built) == 1 and str(built[0]) in first.stdout
+    again = run_cli(["native"], cache_dir, cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.startswith("already built: ")
