@@ -84,20 +84,24 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         raise NativeBuildError("autosoft native: no C++ compiler (c++, or the one $CXX names) on PATH")
     if shutil.which("ninja") is None:
         raise NativeBuildError('autosoft native: needs ninja (pip install ninja, or pip install "autosoft[native]")')
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if force and path.exists():
-        path.unlink()
+    # a forced build goes to a folder of its own and replaces the library only once it succeeded:
+    # a failed rebuild leaves the working one in place
+    folder = path.parent / "rebuild" if force and path.exists() else path.parent
+    folder.mkdir(parents=True, exist_ok=True)
     try:
-        # cpp_extension builds under a file lock in the folder and moves the library into place
-        cpp_extension.load(name=_name(torch), sources=[str(SOURCE)], build_directory=str(path.parent),
-                           extra_cflags=["-O2"], verbose=verbose)
+        # cpp_extension builds under a file lock in the folder (concurrent builds wait for it)
+        cpp_extension.load(name=_name(torch), sources=[str(SOURCE)], build_directory=str(folder),
+                           extra_cflags=["-O2"], verbose=verbose, is_python_module=True)
     except Exception as exc:  # noqa: BLE001 - a compiler's failure comes as RuntimeError or CalledProcessError
         raise NativeBuildError(f"autosoft native: building {SOURCE.name} failed "
-                               f"(see {path.parent}; run `autosoft native --verbose`): "
+                               f"(see {folder}; run `autosoft native --verbose`): "
                                f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}") \
             from None
-    if not path.exists():
-        raise NativeBuildError(f"autosoft native: the build left no {path}")
+    built = folder / path.name
+    if not built.exists():
+        raise NativeBuildError(f"autosoft native: the build left no {built}")
+    if built != path:
+        os.replace(built, path)
     return path
 
 

@@ -20,14 +20,28 @@ if shutil.which("c++") is None or shutil.which("ninja") is None:
 
 
 @pytest.fixture(scope="module")
-def module(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("native-cache")
+def cache_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("native-cache")
+
+
+@pytest.fixture(scope="module")
+def module(cache_folder):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AUTOSOFT_CACHE_DIR", str(folder))
+        patch.setenv("AUTOSOFT_CACHE_DIR", str(cache_folder))
         path = native.build()
-        assert path.is_file() and path.parent.parent == folder / "native"
+        assert path.is_file() and path.parent.parent == cache_folder / "native"
         assert native.build() == path, "a second build of the same source and torch is the same file"
         return native._load(path)
+
+
+def test_a_failed_forced_rebuild_keeps_the_built_library(module, cache_folder, monkeypatch):
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(cache_folder))
+    path = native.library_path()
+    before = path.read_bytes()
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    with pytest.raises(native.NativeBuildError, match="building native_ops.cpp failed"):
+        native.build(force=True)
+    assert path.read_bytes() == before
 
 
 def _has_kernel(key: str) -> bool:
