@@ -27,6 +27,8 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -78,6 +80,14 @@ py::object* miss_callable = nullptr;
 std::unique_ptr<torch::Library> registration;
 std::atomic<uint64_t> launches{0};  // calls launched here, for tests and benchmarks to tell which path ran
 
+// Errors are std::runtime_error with messages built by std::string (RuntimeError in Python, from
+// pybind11 and from torch's dispatcher alike), not torch's checks: a check whose message holds a
+// number formats it through c10::str, which crashed (SIGSEGV) when called from an extension built
+// against the H200 machine's torch, while literal messages and std::to_string did not.
+[[noreturn]] void fail(const std::string& message) {
+  throw std::runtime_error(message);
+}
+
 Key key_of(int op, const at::Tensor& x) {
   Key key;
   key.reserve(4 + x.dim());
@@ -99,7 +109,9 @@ bool goes_to_cuda(c10::DispatchKeySet keys) {
 
 at::Tensor miss(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t dim) {
   py::gil_scoped_acquire gil;
-  TORCH_CHECK(miss_callable != nullptr, "autosoft native operators: enabled without autosoft.native._miss");
+  if (miss_callable == nullptr) {
+    fail("autosoft native operators: enabled without autosoft.native._miss");
+  }
   return (*miss_callable)(op, keys, x, dim).cast<at::Tensor>();
 }
 
@@ -132,8 +144,10 @@ at::Tensor run(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t di
         const unsigned* g = record.geometry;
         const int status = launch_kernel(record.function, g[0], g[1], g[2], g[3], g[4], g[5], g[6], stream, params,
                                          nullptr);
-        TORCH_CHECK(status == 0, "autosoft.", op == kSoftmax ? "softmax" : "log_softmax",
-                    ": cuLaunchKernel failed with CUresult ", status);
+        if (status != 0) {
+          fail(std::string("autosoft.") + (op == kSoftmax ? "softmax" : "log_softmax") +
+               ": cuLaunchKernel failed with CUresult " + std::to_string(status));
+        }
         launches.fetch_add(1, std::memory_order_relaxed);
         return y;
       }
@@ -152,17 +166,26 @@ at::Tensor log_softmax_kernel(c10::DispatchKeySet keys, const at::Tensor& x, int
 
 void record(int op, const at::Tensor& x, uint64_t function, const std::vector<int64_t>& geometry,
             const std::vector<uint64_t>& words, int x_word, int y_word) {
-  TORCH_CHECK(op == kSoftmax || op == kLogSoftmax, "autosoft native: no operator ", op);
-  TORCH_CHECK(x.is_cuda(), "autosoft native: records are for CUDA tensors");
-  TORCH_CHECK(function != 0 && geometry.size() == 7, "autosoft native: a launch needs a function and 7 numbers");
+  if (op != kSoftmax && op != kLogSoftmax) {
+    fail("autosoft native: no operator " + std::to_string(op));
+  }
+  if (!x.is_cuda()) {
+    fail("autosoft native: records are for CUDA tensors");
+  }
+  if (function == 0 || geometry.size() != 7) {
+    fail("autosoft native: a launch needs a function and 7 numbers");
+  }
   const int count = static_cast<int>(words.size());
-  TORCH_CHECK(count <= kMaxParams && 0 <= x_word && x_word < count && 0 <= y_word && y_word < count &&
-                  x_word != y_word,
-              "autosoft native: ", count, " parameter words with the pointers at ", x_word, " and ", y_word);
+  if (count > kMaxParams || x_word < 0 || x_word >= count || y_word < 0 || y_word >= count || x_word == y_word) {
+    fail("autosoft native: " + std::to_string(count) + " parameter words with the pointers at " +
+         std::to_string(x_word) + " and " + std::to_string(y_word));
+  }
   Record r;
   r.function = reinterpret_cast<void*>(function);
   for (int i = 0; i < 7; ++i) {
-    TORCH_CHECK(geometry[i] >= 0, "autosoft native: negative launch geometry");
+    if (geometry[i] < 0) {
+      fail("autosoft native: negative launch geometry");
+    }
     r.geometry[i] = static_cast<unsigned>(geometry[i]);
   }
   r.count = count;
@@ -187,7 +210,9 @@ size_t size() {
 }
 
 void enable(uint64_t cu_launch_kernel, py::object miss_function) {
-  TORCH_CHECK(cu_launch_kernel != 0, "autosoft native: no cuLaunchKernel");
+  if (cu_launch_kernel == 0) {
+    fail("autosoft native: no cuLaunchKernel");
+  }
   launch_kernel = reinterpret_cast<LaunchFn>(cu_launch_kernel);
   if (miss_callable == nullptr) {
     miss_callable = new py::object(std::move(miss_function));
