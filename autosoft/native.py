@@ -28,6 +28,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -70,10 +71,13 @@ def library_path() -> Path:
 
 def build(force: bool = False, verbose: bool = False) -> Path:
     """Build the extension for this torch and Python unless it is built (force: again); returns
-    its path. NativeBuildError, with the reason on one line, where it cannot be built."""
+    its path. NativeBuildError, with the reason on one line, where it cannot be built.
+
+    The compiler runs in a child process (torch.utils.cpp_extension.load there): this process
+    loads nothing, and cpp_extension's memory of what it built before in this process (it skips
+    a second build of the same sources under the same name) cannot leave a new folder empty."""
     try:
-        import torch
-        from torch.utils import cpp_extension
+        import torch  # noqa: F401 - library_path needs its version; the child imports it again
     except ImportError as exc:
         raise NativeBuildError(f"autosoft native: needs torch ({exc})") from None
     path = library_path()
@@ -88,21 +92,29 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     # a failed rebuild leaves the working one in place
     folder = path.parent / "rebuild" if force and path.exists() else path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        # cpp_extension builds under a file lock in the folder (concurrent builds wait for it)
-        cpp_extension.load(name=_name(torch), sources=[str(SOURCE)], build_directory=str(folder),
-                           extra_cflags=["-O2"], verbose=verbose, is_python_module=True)
-    except Exception as exc:  # noqa: BLE001 - a compiler's failure comes as RuntimeError or CalledProcessError
-        raise NativeBuildError(f"autosoft native: building {SOURCE.name} failed "
-                               f"(see {folder}; run `autosoft native --verbose`): "
-                               f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}") \
-            from None
     built = folder / path.name
-    if not built.exists():
-        raise NativeBuildError(f"autosoft native: the build left no {built}")
+    if built != path and built.exists():
+        built.unlink()
+    child = subprocess.run([sys.executable, "-c", _BUILD, path.stem, str(SOURCE), str(folder), str(int(verbose))],
+                           stdout=None if verbose else subprocess.PIPE, stderr=None if verbose else subprocess.PIPE,
+                           text=True)
+    if child.returncode != 0 or not built.exists():
+        lines = [line.strip() for line in (child.stderr or "").splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {child.returncode}"
+        raise NativeBuildError(f"autosoft native: building {SOURCE.name} failed "
+                               f"(see {folder}; run `autosoft native --force --verbose`): {reason}")
     if built != path:
         os.replace(built, path)
     return path
+
+
+# what the build's child process runs: name, source, folder, verbose (cpp_extension builds under a
+# file lock in the folder, so concurrent builds of one library wait for each other)
+_BUILD = """import sys
+from torch.utils import cpp_extension
+name, source, folder, verbose = sys.argv[1:5]
+cpp_extension.load(name=name, sources=[source], build_directory=folder, extra_cflags=["-O2"], verbose=verbose == "1")
+"""
 
 
 def _ninja_on_path() -> None:

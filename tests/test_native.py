@@ -84,3 +84,10 @@ def test_the_cli_builds_once_and_says_so(tmp_path):
     assert len(built) == 1 and str(built[0]) in first.stdout
     again = run_cli(["native"], cache_dir, cwd=tmp_path)
     assert again.returncode == 0 and again.stdout.startswith("already built: ")
+
+
+def test_a_second_folder_in_one_process_gets_its_own_build(module, tmp_path, monkeypatch):
+    # cpp_extension skips a build it made before in the same process; the build's child process does not
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path / "other"))
+    path = native.build()
+    assert path.is_file() and str(path).startswith(str(tmp_path / "other"))
