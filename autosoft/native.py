@@ -145,7 +145,10 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None
         if not _kernels:
             raise RuntimeError("autosoft.native.enable: import autosoft.torch_ops first (it passes the kernels)")
         if _module is None:
-            path = library_path()
+            try:
+                path = library_path()
+            except UserError:  # AUTOSOFT_CACHE_DIR names a file: the calls will say so; importing must not
+                return False
             if not path.exists():
                 return False
             launch = _cu_launch_kernel()

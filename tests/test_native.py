@@ -91,3 +91,15 @@ def test_a_second_folder_in_one_process_gets_its_own_build(module, tmp_path, mon
     monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path / "other"))
     path = native.build()
     assert path.is_file() and str(path).startswith(str(tmp_path / "other"))
+
+
+def test_enable_without_a_build_or_with_a_bad_cache_folder_leaves_the_python_kernels(tmp_path, monkeypatch):
+    if native.enabled():
+        pytest.skip("a compiled build is enabled in this process")
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path / "empty"))
+    assert native.enable() is False
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(not_a_folder))
+    assert native.enable() is False
+    assert not _has_kernel("AutogradCUDA")
