@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, ove
 
 import numpy as np
 
-from . import native
 from .arrays import call_along, call_family
 from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
@@ -65,10 +64,6 @@ def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     if _through_operator(x):
         return _operator_call("softmax", x, dim, out)
     if type(dim) is int and dim == -1:
-        if out is None and native.enabled() and _compiled_takes(x):
-            from . import torch_ops
-
-            return torch_ops.softmax(x, -1)
         return call_family("softmax", (x,), out=out)[0]
     return call_along("softmax", x, dim, out, None, "softmax")
 
@@ -89,10 +84,6 @@ def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     if _through_operator(x):
         return _operator_call("log_softmax", x, dim, out)
     if type(dim) is int and dim == -1:
-        if out is None and native.enabled() and _compiled_takes(x):
-            from . import torch_ops
-
-            return torch_ops.log_softmax(x, -1)
         return call_family("softmax", (x,), options=LOG, out=out)[0]
     return call_along("softmax", x, dim, out, LOG, "log_softmax")
 
@@ -104,15 +95,6 @@ def _through_operator(x: Any) -> bool:
     if torch is None or not isinstance(x, torch.Tensor):
         return False
     return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
-
-
-def _compiled_takes(x: Any) -> bool:
-    """Whether the operator's compiled kernel (autosoft.native, enabled: torch is loaded) takes a
-    call on x for less host time than the plan path: a plain torch tensor, outside inference mode
-    (whose calls skip the autograd keys the compiled kernel is registered for). It runs the same
-    plan: same kernel, same output; a call it does not take ends in the plan path as well."""
-    torch = sys.modules["torch"]
-    return type(x) is torch.Tensor and not torch.is_inference_mode_enabled()
 
 
 def _compiling(x: Any) -> bool:

@@ -53,7 +53,6 @@ _lock = threading.Lock()
 _module: Any = None  # the loaded extension, once enable() found one
 _kernels: dict[int, tuple[Callable[..., Any], tuple]] = {}  # op -> (Python Autograd kernel, plan options)
 _kept: dict[tuple, Any] = {}  # what each record replays: plan key -> plan (keeps its module loaded)
-_on = False  # the compiled kernels are registered
 
 
 def _name(torch: Any) -> str:
@@ -136,7 +135,7 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None
     (called for every call the compiled one does not take) and the softmax family's options as
     arrays.call_family keys its plans; autosoft.torch_ops.register() passes them, and a later
     call (after `build`) may leave them out."""
-    global _module, _on
+    global _module
     with _lock:
         if kernels is not None:
             _kernels.clear()
@@ -161,23 +160,20 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None
         if not _module.enabled():
             _module.enable(launch, _miss)
             DISPATCHER.on_clear(_forget)
-        _on = True
         return True
 
 
 def disable() -> None:
     """Deregister the compiled kernels (the Python ones serve CUDA tensors again) and drop the records."""
-    global _on
     with _lock:
-        _on = False
         if _module is not None:
             _module.disable()
         _kept.clear()
 
 
 def enabled() -> bool:
-    """Whether the compiled kernels are registered (autosoft.softmax asks on every call: a flag)."""
-    return _on
+    """Whether the compiled kernels are registered."""
+    return _module is not None and bool(_module.enabled())
 
 
 def recorded() -> int:
