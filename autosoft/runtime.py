@@ -281,8 +281,9 @@ class LoadedVariant:
 class NativeLaunch:
     """A launch that compiled code can replay (autosoft.native): one kernel, not cooperative, no
     workspace, no tensor map, no scalar set per call, every parameter at most 8 bytes. `words`:
-    each parameter's bytes as a little-endian integer, the buffers' slots zero; `pointers`: (the
-    parameter's index, the position of the launcher argument whose address goes there)."""
+    each parameter's bytes as a little-endian integer (the buffers' words are written at each
+    call); `pointers`: (the parameter's index, the position of the launcher argument whose
+    address goes there)."""
 
     function: int
     geometry: tuple[int, ...]  # grid x, y, z, block x, y, z, dynamic shared memory bytes
