@@ -189,14 +189,11 @@ def launches() -> int:
 def _load(path: Path) -> Any:
     import torch  # noqa: F401 - the extension links against the libraries importing torch loads
 
-    if path.stem in sys.modules:  # loaded before in this process (the same source and torch: the same code)
-        return sys.modules[path.stem]
     spec = importlib.util.spec_from_file_location(path.stem, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"autosoft native: cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[path.stem] = module  # one copy of its registrations and records per process
     return module
 
 
