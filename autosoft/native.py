@@ -144,6 +144,9 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None
             return False
         if not _kernels:
             raise RuntimeError("autosoft.native.enable: import autosoft.torch_ops first (it passes the kernels)")
+        launch = _cu_launch_kernel()
+        if launch is None:
+            return False
         if _module is None:
             try:
                 path = library_path()
@@ -151,12 +154,7 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None
                 return False
             if not path.exists():
                 return False
-            launch = _cu_launch_kernel()
-            if launch is None:
-                return False
             _module = _load(path)
-        else:
-            launch = _cu_launch_kernel()
         if not _module.enabled():
             _module.enable(launch, _miss)
             DISPATCHER.on_clear(_forget)
