@@ -3,6 +3,11 @@
     python benchmarks/softmax_variants.py --shape 1024x32768 --dtype float16 \
         --set storage=registers,row_threads=512,threads=512 --set combine=cluster,split=4,threads=512,row_threads=512
     python benchmarks/softmax_variants.py --family softmax_backward --shape 4096x50257 --match storage=smem
+    python benchmarks/softmax_variants.py --family attention --shape 1,32,1,128 --dtype bfloat16 \
+        --option kv_heads=8 --option kv_len=4096 --set splits=16,stages=4
+
+Any family: --option NAME=VALUE sets one of its problem options (repeatable; --log is the
+softmax families' log=true).
 
 Each --set overrides the heuristic default; each --match adds every valid variant whose parameters
 have those values (at most --limit per match, spread over the list). Every variant is verified
@@ -32,15 +37,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", required=True)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--family", default="softmax", choices=("softmax", "softmax_backward"))
+    parser.add_argument("--family", default="softmax")
     parser.add_argument("--log", action="store_true", help="the family's log option (log-softmax)")
+    parser.add_argument("--option", action="append", default=[], help="NAME=VALUE, a problem option (repeatable)")
     parser.add_argument("--set", action="append", default=[], help="NAME=VALUE,NAME=VALUE,... (repeatable)")
     parser.add_argument("--match", action="append", default=[], help="NAME=VALUE,... every valid variant with these")
     parser.add_argument("--limit", type=int, default=40, help="variants per --match at most")
     parser.add_argument("--out", type=Path, help="JSON file for the timings")
     args = parser.parse_args()
     family = get_family(args.family)
-    problem = family.problem(args.shape, args.dtype, {"log": True} if args.log else {})
+    options: dict = {"log": True} if args.log else {}
+    declared = {o.name: o for o in family.options}
+    for item in args.option:
+        name, _, value = item.partition("=")
+        if name not in declared:
+            parser.error(f"--option {item}: the {family.name} family has no option {name!r} (it has {sorted(declared)})")
+        options[name] = declared[name].parse(value)
+    problem = family.problem(args.shape, args.dtype, options)
     target = device_info().target
     space = space_of(family)
     copy = time_copy(family.bytes_moved(problem) // 2, target.l2_bytes)
