@@ -363,8 +363,11 @@ class AttentionFamily(Family):
             p: dict[str, ParamValue] = {**self._mma, "block_m": block_m, "block_n": 64, "warps": 4,
                                         "key_warps": 64 // block_m, "stages": 3, "layout": "swizzle" if d != 96 else "pad",
                                         "q_in": "registers" if d <= 128 else "smem", "pack": group > 1, "splits": 1}
+            # split the keys while the blocks still fit one per SM: on an H200 (132 SMs, bf16,
+            # Hq32/Hkv8 D128 decode, at 3d851aa) B1 took 12.4 us at 16 splits against 12.7 at 32,
+            # and B16 65.9 us unsplit against 67.5 at 2 splits
             blocks = kv_heads * b
-            while self._splits and blocks * int(p["splits"]) < 2 * target.sm_count and int(p["splits"]) < SPLITS_MAX and \
+            while self._splits and blocks * 2 * int(p["splits"]) <= target.sm_count and int(p["splits"]) < SPLITS_MAX and \
                     self._valid_point(problem, target, {**p, "splits": 2 * int(p["splits"])}):
                 p["splits"] = 2 * int(p["splits"])
             return self._first_valid(problem, target, p)
@@ -398,7 +401,8 @@ class AttentionFamily(Family):
             {"block_m": 64, "block_n": 128, "q_in": "registers"},
             {"block_m": 128, "warps": 8, "block_n": 128, "stages": 3, "q_in": "registers"},  # 16 rows per warp
             {"block_n": 32, "stages": 3},
-        ) + (({"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
+        ) + (({"stages": 4},  # B1 decode, 32768 keys: 38.1 us against 38.6 at 3 stages (H200, 3d851aa)
+               {"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
                {"splits": min(SPLITS_MAX, 4 * splits)},
                # no cluster merge among them: on an H200 it lost to the last block's merge at every
                # split count the tuner tried (bf16 B1 Hq32/Hkv8 D128 decode, 4096 keys: 15.0 against
