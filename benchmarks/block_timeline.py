@@ -11,8 +11,8 @@ and ends. For the attention family's mma kernel, marks inside it record the mome
 well: the first key tile in, the last key tile in, the main loop done, the key warps' parts
 merged, a split's partials written, its arrival counted, the last block's merge done. The
 instrumented kernel is verified, timed as any variant is (its event time, to compare with the
-uninstrumented variant's), then launched --reps times back to back behind a launch on other
-inputs, each after the L2 is dirtied; every launch's blocks are summarised:
+uninstrumented variant's), then launched --reps times, each right behind a launch on other inputs
+(the GPU busy when it starts, its inputs not in the L2); every such launch's blocks are summarised:
 
   span        first block start to last block end
   busy        the fraction of (SMs x span) during which an SM holds at least one block
@@ -171,9 +171,9 @@ def main() -> int:
           f"event median {event_us:.2f} us (instrumented)")
     reps = []
     for rep in range(args.reps):
-        timeline.fill(0)
         _dirty_l2()
         loaded.launch(sets[(rep + 1) % len(sets)])
+        timeline.fill(0)  # in stream order: only the next launch's marks remain
         loaded.launch(sets[rep % len(sets)])
         cp.cuda.runtime.deviceSynchronize()
         times = timeline.get().reshape(blocks, SLOTS).astype(np.int64)
