@@ -8,8 +8,8 @@
 The variant (the heuristic default, with --set's overrides) is rendered, and its kernel wrapped
 in one that records %globaltimer (ns, one clock for the whole GPU) and %smid as each block starts
 and ends. For the attention family's mma kernel, marks inside it record the moments between as
-well: the first key tile in, the last key tile in, the main loop done, the key warps' parts
-merged, a split's partials written, its arrival counted, the last block's merge done. The
+well: the first key tile in, the last key tile in, the main loop done, a split's partials
+written (its key warps' parts merged), its arrival counted, the last block's merge done. The
 instrumented kernel is verified, timed as any variant is (its event time, to compare with the
 uninstrumented variant's), then launched --reps times, each right behind a launch on other inputs
 (the GPU busy when it starts, its inputs not in the L2); every such launch's blocks are summarised:
@@ -63,16 +63,20 @@ __device__ __forceinline__ void timeline_mark(int slot) {
 ATTENTION_MARKS = [
     ("__syncthreads();  // tile j visible to all;",
      "__syncthreads(); if (jt == 0) timeline_mark(2); if (jt == n_tiles - 1) timeline_mark(3);  // tile j visible to all;"),
+    # the main loop done: whichever of these the variant has (the last one reached counts)
+    ("  // Split keys: this block's O", "  timeline_mark(4);\n  // Split keys: this block's O"),
+    ("  // Split keys in a cluster of SPLITS blocks", "  timeline_mark(4);\n  // Split keys in a cluster of SPLITS blocks"),
     ("  // The warps of a row group saw different keys", "  timeline_mark(4);\n  // The warps of a row group saw different keys"),
-    ("// Split keys: this block's O", "timeline_mark(5);  // Split keys: this block's O"),
-    ("// epilogue: O /= l", "timeline_mark(5);  // epilogue: O /= l"),
-    ("  __shared__ bool last_block;", "  timeline_mark(6);\n  __shared__ bool last_block;"),
-    ("  if (!last_block) return;", "  timeline_mark(7);\n  if (!last_block) return;"),
+    ("  // epilogue: O /= l", "  timeline_mark(4);\n  // epilogue: O /= l"),
+    # a split's partials written (to the workspace, or to shared memory for its cluster)
+    ("  // Arrival, as CUTLASS's grid barrier does it", "  timeline_mark(5);\n  // Arrival, as CUTLASS's grid barrier does it"),
+    ("  cluster_sync();  // every block's partials are in its shared memory",
+     "  timeline_mark(5);\n  cluster_sync();  // every block's partials are in its shared memory"),
+    ("  if (!last_block) return;", "  timeline_mark(6);\n  if (!last_block) return;"),
     ("if (c4 == 0) lse[flat] = wsum > 0.f ? mx + logf(wsum) : NEG_INF;\n  }\n",
-     "if (c4 == 0) lse[flat] = wsum > 0.f ? mx + logf(wsum) : NEG_INF;\n  }\n  __syncthreads();\n  timeline_mark(8);\n"),
+     "if (c4 == 0) lse[flat] = wsum > 0.f ? mx + logf(wsum) : NEG_INF;\n  }\n  __syncthreads();\n  timeline_mark(7);\n"),
 ]
-MARK_NAMES = {2: "first tile in", 3: "last tile in", 4: "loop done", 5: "key warps merged",
-              6: "partials written", 7: "arrived", 8: "merged"}
+MARK_NAMES = {2: "first tile in", 3: "last tile in", 4: "loop done", 5: "partials written", 6: "arrived", 7: "merged"}
 
 
 def instrument(source: str, kernel: str, max_blocks: int, attention_marks: bool) -> str:
