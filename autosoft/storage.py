@@ -18,12 +18,15 @@ messages and logs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import signal
 import sqlite3
+import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -225,6 +228,31 @@ _DOMAIN_ERRORS = (optuna.exceptions.DuplicatedStudyError, optuna.exceptions.Upda
                   KeyError, ValueError, RuntimeError)
 
 
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM that arrive while the block runs take effect when it ends, so that a
+    group of writes happens whole or not at all. Recording a trial is several writes (its
+    attributes, then its state); an interruption between them left a running trial that carried
+    a result, which `--resume` took for a dead worker's and measured again. An interruption inside
+    one SQLite write could leave its transaction open, and the interrupted worker's last write
+    (giving its problem back) then waited on its own lock: 60 s per try, over every retry. Outside
+    the main thread (where signals cannot be handled) the block simply runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    # a handler not installed from Python (None) could not be put back: that signal is not held
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    before = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in handled}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(arrived):
+            signal.raise_signal(s)  # now handled as it would have been (KeyboardInterrupt for Ctrl-C)
+
+
 def connection_lost(exc: BaseException) -> bool:
     """Whether `exc` comes from a lost or refused database connection. RDBStorage re-raises
     SQLAlchemy's errors as StorageInternalError, hence the walk down the chain of causes."""
@@ -286,7 +314,8 @@ class RetryingStorage(BaseStorage, BaseHeartbeat):
         attempt = 0
         while True:
             try:
-                return call(attempt)
+                with interrupts_held():  # never half a write; Ctrl-C still cuts the waits between tries
+                    return call(attempt)
             except Exception as exc:
                 if not connection_lost(exc):
                     raise

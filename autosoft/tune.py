@@ -18,13 +18,10 @@ flight and `--resume` continues it.
 """
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import __version__
 from .cache import Cache, Entry
@@ -37,7 +34,7 @@ from .runners import GpuRunner, Pending, Runner
 from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
 from .space import ParamValue
-from .storage import default_storage_url
+from .storage import default_storage_url, interrupts_held
 from .worker import Watchdog
 
 _WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
@@ -244,35 +241,13 @@ class Ledger:
     def record(self, m: Measured) -> None:
         spent = {name: getattr(m.outcome, name) for name in ("compile_s", "evaluate_s")
                  if getattr(m.outcome, name) is not None}  # what `autosoft report` draws against each other
-        with _interrupts_held():  # the study's and the trial log's writes happen whole or not at all
+        with interrupts_held():  # the study's and the trial log's writes happen whole or not at all
             if not self._search.tell(m.variant.params, m.outcome.time_us, m.outcome.status.value, spent):
                 return  # this worker was taken for dead and its claim reaped: the re-run is the record
             self._cache.record_trials([trial_row(self._problem, self._device, m)])
         self._track(m)
         if self._progress:
             self._progress(len(self.measured), self._total, self.best, m)
-
-
-@contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM that arrive while the block runs take effect when it ends. Recording a
-    trial is several writes (its attributes, then its state); an interruption between them left a
-    running trial that carried a result, which `--resume` took for a dead worker's and measured
-    again. Outside the main thread (where signals cannot be handled) the block simply runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[int] = []
-    # a handler not installed from Python (None) could not be put back: that signal is not held
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
-    before = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in handled}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        for s in dict.fromkeys(arrived):
-            signal.raise_signal(s)  # now handled as it would have been (KeyboardInterrupt for Ctrl-C)
 
 
 def trial_row(problem: Problem, device: DeviceInfo, m: Measured) -> dict[str, Any]:

@@ -230,6 +230,40 @@ def test_a_tell_whose_commit_landed_before_the_connection_dropped_succeeds(tmp_p
     assert storage.retries == 1
 
 
+def test_ctrl_c_inside_a_write_takes_effect_after_it(tmp_path, monkeypatch):
+    """Ctrl-C that arrives inside a storage call is raised when the call returns: the write is
+    whole, and the SQLite database is left unlocked, so the interrupted worker's last write (its
+    problem given back) goes through at once. Before, an interruption inside a write could leave
+    its transaction open, and that last write waited 60 s on its own lock, try after try."""
+    import os
+    import signal
+    import threading
+    import time
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("Ctrl-C is Python's KeyboardInterrupt only in a main thread with the default handler")
+    storage = _sqlite_retrying(tmp_path)
+    study_id = storage.create_new_study(MIN, "s")
+    real = storage.inner.set_study_user_attr
+
+    def interrupted_midway(sid, key, value):
+        real(sid, key + "-first", value)
+        os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C, between the two writes
+        time.sleep(0.05)
+        real(sid, key, value)
+
+    monkeypatch.setattr(storage.inner, "set_study_user_attr", interrupted_midway)
+    with pytest.raises(KeyboardInterrupt):
+        storage.set_study_user_attr(study_id, "lease", "worker-1")
+    monkeypatch.undo()
+    assert storage.get_study_user_attrs(study_id) == {"lease-first": "worker-1", "lease": "worker-1"}
+    started = time.perf_counter()
+    storage.set_study_user_attr(study_id, "lease", None)  # what `finally: board.release(...)` does
+    assert time.perf_counter() - started < 5 and storage.get_study_user_attrs(study_id)["lease"] is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
 # --- a real PostgreSQL ----------------------------------------------------------------------------
 
 def _add_trials(url: str, study_name: str, n: int, barrier) -> None:
