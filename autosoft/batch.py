@@ -479,6 +479,11 @@ def _worker_process(spec: BatchSpec, gpu: str) -> None:
     """A spawned worker's body: errors on one line, as the CLI prints them. It ends as after
     Ctrl-C (its problem given back) when the process that started it is gone: killed, it cannot
     have stopped its workers, which would otherwise go on tuning unseen."""
+    # The batch stops its workers with SIGINT (and so does the watch below). A batch started with
+    # SIGINT ignored (`autosoft tune ... &` in a script: a shell without job control starts background
+    # commands so) passes that on to the processes it spawns, and its workers then tuned on after
+    # their parent was stopped or killed.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _end_with_parent()
     try:
         run_worker(spec, label=gpu)

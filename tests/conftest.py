@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from functools import lru_cache
 
 import pytest
@@ -38,6 +39,25 @@ def cache_dir(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(folder))
     return folder
+
+
+@pytest.fixture
+def sigint_handled():
+    """Ctrl-C raises KeyboardInterrupt in this process and in the processes the test starts, for
+    the test's duration, however pytest was started (`cmd &` in a script starts it with SIGINT
+    ignored, which every child inherits)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
+def sigint_ignored():
+    """SIGINT ignored in this process, and so in the processes the test starts, as a script's
+    background commands (`cmd &`, no job control) have it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 def has_nvcc() -> bool:

@@ -287,9 +287,11 @@ def _wait_for(condition, timeout: float) -> bool:
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
-def test_a_stopped_or_killed_batch_leaves_no_worker_running(tmp_path, how):
+def test_a_stopped_or_killed_batch_leaves_no_worker_running(tmp_path, how, sigint_ignored):
     # Seen on the two-GPU machine: `timeout` stopped `autosoft tune --gpus all` and its workers
     # tuned on. SIGTERM now stops the batch as Ctrl-C does; a worker whose parent is gone stops.
+    # The batch starts with SIGINT ignored, as a script's `cmd &` starts it: its workers, which the
+    # batch and their watch stop by SIGINT, inherited that and tuned on.
     listing = tmp_path / "problems.yaml"
     write_problems(listing, FORTY[:8])
     proc = subprocess.Popen([sys.executable, "-m", "autosoft", "tune", "--problems", str(listing), "--trials", "60",
@@ -453,7 +455,7 @@ def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
     assert all(r["gpu"].startswith("ray:") for r in result.results)
 
 
-def test_an_interrupted_batch_resumes_where_it_stopped(tmp_path):
+def test_an_interrupted_batch_resumes_where_it_stopped(tmp_path, sigint_handled):
     three = FORTY[:3]
     problems = tmp_path / "problems.yaml"
     write_problems(problems, three)

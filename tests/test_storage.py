@@ -230,19 +230,15 @@ def test_a_tell_whose_commit_landed_before_the_connection_dropped_succeeds(tmp_p
     assert storage.retries == 1
 
 
-def test_ctrl_c_inside_a_write_takes_effect_after_it(tmp_path, monkeypatch):
+def test_ctrl_c_inside_a_write_takes_effect_after_it(tmp_path, monkeypatch, sigint_handled):
     """Ctrl-C that arrives inside a storage call is raised when the call returns: the write is
     whole, and the SQLite database is left unlocked, so the interrupted worker's last write (its
     problem given back) goes through at once. Before, an interruption inside a write could leave
     its transaction open, and that last write waited 60 s on its own lock, try after try."""
     import os
     import signal
-    import threading
     import time
 
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("Ctrl-C is Python's KeyboardInterrupt only in a main thread with the default handler")
     storage = _sqlite_retrying(tmp_path)
     study_id = storage.create_new_study(MIN, "s")
     real = storage.inner.set_study_user_attr

@@ -46,7 +46,7 @@ def test_finalists_are_capped_and_empty_without_a_correct_trial():
     assert finalists([_measured(128, Status.WRONG, None)]) == []
 
 
-def test_ctrl_c_between_the_writes_of_a_trial_comes_after_the_trial_is_recorded(tmp_path):
+def test_ctrl_c_between_the_writes_of_a_trial_comes_after_the_trial_is_recorded(tmp_path, sigint_handled):
     """A Ctrl-C while a trial is being recorded (its attributes written, not yet its state) used
     to leave a running trial that carried a result: --resume took it for a dead worker's and
     measured the point again. Now the interruption waits until the trial is whole."""
