@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -30,6 +31,13 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
+def family_summary(family: Family) -> str:
+    """What a family computes, for --help: the first paragraph of its class docstring on one line
+    (its first line alone cut the sentence short, e.g. "... or y = log_softmax(x) with the")."""
+    doc = (type(family).__doc__ or family.name).strip()
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line. tune, export and render take a family word, and each family brings its
     own --shape form, --dtype choices and default, and problem options (e.g. attention --causal)."""
@@ -46,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         by_family = command.add_subparsers(dest="family", required=True, metavar="FAMILY",
                                            parser_class=_Parser, title="families")
         for family in families().values():
-            doc = (type(family).__doc__ or family.name).strip().splitlines()[0]
-            p = by_family.add_parser(family.name, help=doc, description=doc,
+            doc = family_summary(family)
+            p = by_family.add_parser(family.name, help=doc, description=textwrap.fill(doc, 80),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
             problem_args(p, family)
             add_args(p, family)
@@ -101,9 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     by_family = tune.add_subparsers(dest="family", required=False, metavar="FAMILY", parser_class=_Parser,
                                     title="families")
     for family in families().values():
-        doc = (type(family).__doc__ or family.name).strip().splitlines()[0]
-        p = by_family.add_parser(family.name, help=doc, description=doc, prog=f"autosoft tune {family.name}",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        doc = family_summary(family)
+        p = by_family.add_parser(family.name, help=doc, description=textwrap.fill(doc, 80),
+                                 prog=f"autosoft tune {family.name}", formatter_class=argparse.RawDescriptionHelpFormatter)
         problem_args(p, family, many=True)
         tune_args(p, family)
 

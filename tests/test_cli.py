@@ -500,6 +500,20 @@ def test_render_help_lists_every_parameter_and_its_values(tmp_path):
         assert ", ".join(map(str, parameter.values)) in line
 
 
+def test_each_familys_help_says_what_it_computes_in_whole_sentences(tmp_path):
+    from autosoft.cli import family_summary
+    from autosoft.families import families
+
+    listing = run_cli(["tune", "--help"], tmp_path / "cache").stdout
+    for family in families().values():
+        summary = family_summary(family)
+        assert summary.endswith("."), f"{family.name}: {summary!r} stops mid-sentence"
+        out = run_cli(["tune", family.name, "--help"], tmp_path / "cache").stdout
+        description = out.split("\n\n")[1]  # usage, description, options
+        assert " ".join(description.split()) == summary
+        assert summary.split()[-1] in listing  # the families' list has it whole too
+
+
 def test_each_family_brings_its_own_options_and_dtypes(tmp_path):
     attention = run_cli(["tune", "attention", "--help"], tmp_path / "cache").stdout
     softmax = run_cli(["tune", "softmax", "--help"], tmp_path / "cache").stdout
