@@ -251,7 +251,7 @@ def find_entry(cache: Cache | None, problem: Problem, path: Path) -> tuple[Entry
     if not entries:
         on = f" on {here.name}" if here else ""
         raise UserError(f"no tuned {problem.family} {problem.shape_text} {problem.dtype}{on} in {path}; "
-                        f"run `autosoft tune {problem.family} --shape {problem.shape_text} --dtype {problem.dtype}` first")
+                        f"run `{problem.tune_command}` first")
     local = here.cuda_version if here else _local_nvrtc()
     best = min(entries, key=lambda e: (_nvrtc_rank(e.key.cuda_version, local), e.time_us))
     target = here.target if here else Target.for_arch(best.key.compute_capability)

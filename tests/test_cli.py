@@ -514,6 +514,25 @@ def test_each_familys_help_says_what_it_computes_in_whole_sentences(tmp_path):
         assert summary.split()[-1] in listing  # the families' list has it whole too
 
 
+@pytest.mark.parametrize("family,shape,dtype,options", [
+    ("softmax", "4096x8192", "float16", {"log": True}),
+    ("softmax_backward", "64x1000", "float32", {}),
+    ("attention", "1,32,1,128", "bfloat16", {"causal": True, "kv_heads": 8, "kv_len": 4096}),
+    ("attention", "2,8,300,64", "float16", {"window_left": 100, "window_right": 0, "softcap": 30.0}),
+    ("attention_colsum", "1,4,512,64", "bfloat16", {"split": 448, "causal": True}),
+])
+def test_the_tune_command_a_problem_names_tunes_that_problem(family, shape, dtype, options):
+    # export's "not tuned" error names it; it once wrote the cache key (1x32x1x128+kv_heads=8), which --shape refuses
+    from autosoft.cli import _problem, build_parser
+    from autosoft.families import get_family
+
+    problem = get_family(family).problem(shape, dtype, options)
+    words = problem.tune_command.split()
+    assert words[:3] == ["autosoft", "tune", family]
+    args = build_parser().parse_args(["render"] + words[2:])  # render takes tune's problem arguments, one of each
+    assert _problem(args)[1] == problem
+
+
 def test_each_family_brings_its_own_options_and_dtypes(tmp_path):
     attention = run_cli(["tune", "attention", "--help"], tmp_path / "cache").stdout
     softmax = run_cli(["tune", "softmax", "--help"], tmp_path / "cache").stdout

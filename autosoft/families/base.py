@@ -104,6 +104,16 @@ class Problem:
         return "+".join(parts)
 
 
+    @property
+    def tune_command(self) -> str:
+        """The command that tunes this problem, its options as the command line spells them:
+        autosoft tune attention --shape 1x32x1x128 --kv-heads 8 --kv-len 4096 --dtype bfloat16."""
+        words = ["autosoft", "tune", self.family, "--shape", "x".join(map(str, self.shape))]
+        for name, value in self.options:
+            words += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+        return " ".join(words + ["--dtype", self.dtype])
+
+
 PORTABLE_CLUSTER_BLOCKS = 8  # the largest cluster every sm_90 launch accepts without opting in
 
 
