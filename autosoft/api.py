@@ -84,7 +84,7 @@ def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     if _through_operator(x):
         return _operator_call("log_softmax", x, dim, out)
     if type(dim) is int and dim == -1:
-        return call_family("softmax", (x,), options=LOG, out=out)[0]
+        return call_family("softmax", (x,), options=LOG, out=out, who="autosoft.log_softmax")[0]
     return call_along("softmax", x, dim, out, LOG, "log_softmax")
 
 

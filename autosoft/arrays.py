@@ -28,7 +28,7 @@ _int64 = np.int64  # a stride as a kernel argument
 
 
 def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, OptionValue] | None = None,
-                scalars: Mapping[str, Any] | None = None, out: Any = None) -> tuple[Any, ...]:
+                scalars: Mapping[str, Any] | None = None, out: Any = None, who: str | None = None) -> tuple[Any, ...]:
     """Run family `name` on `arrays` (in the order of its array inputs) with its problem options
     and run-time scalar arguments; returns its outputs in the order of `family.outputs`, each in
     the framework of the first array (torch in, torch out; a DLPack producer gives CuPy arrays).
@@ -38,7 +38,8 @@ def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, Optio
 
     Raises TypeError for host arrays, non-arrays, mixed frameworks and dtypes the family does not
     take; ValueError for shapes it does not take, and for an `out` of the wrong shape, dtype or
-    device; NoDeviceError where no GPU is usable.
+    device; NoDeviceError where no GPU is usable. `who` is the public function those errors name
+    (default autosoft.<name>; the softmax family's log option is autosoft.log_softmax).
     """
     opts = tuple(options.items()) if options else ()
     names = tuple(scalars) if scalars else ()
@@ -56,24 +57,24 @@ def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, Optio
             key = None
         plan = DISPATCHER.fast.get(key)
         if plan is None:
-            plan = _prepare(get_family(name), _TorchArrays(torch), arrays, options or {}, names)
+            plan = _prepare(get_family(name), _TorchArrays(torch), arrays, options or {}, names, who)
             if key is not None:
                 DISPATCHER.fast[key] = plan
-        return plan(arrays, values) if out is None else _into(name, plan, arrays, values, out, torch)
+        return plan(arrays, values) if out is None else _into(who or f"autosoft.{name}", plan, arrays, values, out, torch)
     family = get_family(name)
-    arrays = as_cupy(family, arrays)
+    arrays = as_cupy(family, arrays, who)
     key = (name, opts, names, *[(a.dtype, a.shape, a.data.device_id) for a in arrays])
     plan = DISPATCHER.fast.get(key)
     if plan is None:
-        plan = DISPATCHER.fast[key] = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options or {}, names)
-    return plan(arrays, values) if out is None else _into(name, plan, arrays, values, out, None)
+        plan = DISPATCHER.fast[key] = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options or {},
+                                               names, who)
+    return plan(arrays, values) if out is None else _into(who or f"autosoft.{name}", plan, arrays, values, out, None)
 
 
-def _into(name: str, plan: Callable[..., tuple[Any, ...]], arrays: Sequence[Any], values: tuple[Any, ...],
+def _into(who: str, plan: Callable[..., tuple[Any, ...]], arrays: Sequence[Any], values: tuple[Any, ...],
           out: Any, torch: Any) -> tuple[Any, ...]:
     """The plan's outputs with the first one in `out`: checked against the output the plan gives
     (shape, dtype, device, framework), written there directly where the kernel can, else copied."""
-    who = f"autosoft.{name}"
     if torch is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"{who}: out must be a torch tensor like the input, not {type(out).__name__}")
     if torch is None and not type(out).__module__.startswith("cupy"):
@@ -89,23 +90,24 @@ def call_along(name: str, x: Any, dim: Any, out: Any, options: Mapping[str, Opti
         raise TypeError(f"autosoft.{who}: dim must be an int, got {type(dim).__name__}")
     dim = int(dim)
     shape = getattr(x, "shape", None)
+    public = f"autosoft.{who}"
     if shape is None:
-        return call_family(name, (x,), options=options)[0]  # the array layer says what x is not
+        return call_family(name, (x,), options=options, who=public)[0]  # the array layer says what x is not
     ndim = len(shape)
     if not -max(ndim, 1) <= dim < max(ndim, 1):
         raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {ndim}-dimensional input "
                          f"(expected {-max(ndim, 1)} to {max(ndim, 1) - 1})")
     dim = dim % ndim if ndim else 0
     if dim == ndim - 1 or ndim == 0:
-        return call_family(name, (x,), options=options, out=out)[0]
+        return call_family(name, (x,), options=options, out=out, who=public)[0]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        y = call_family(name, (x.movedim(dim, -1),), options=options)[0].movedim(-1, dim)
+        y = call_family(name, (x.movedim(dim, -1),), options=options, who=public)[0].movedim(-1, dim)
     else:
-        x = as_cupy(get_family(name), [x])[0]  # TypeError for anything but CuPy arrays and CUDA DLPack producers
+        x = as_cupy(get_family(name), [x], public)[0]  # TypeError for anything but CuPy arrays and CUDA DLPack producers
         import cupy  # there: x is a CuPy array now
 
-        y = cupy.moveaxis(call_family(name, (cupy.moveaxis(x, dim, -1),), options=options)[0], -1, dim)
+        y = cupy.moveaxis(call_family(name, (cupy.moveaxis(x, dim, -1),), options=options, who=public)[0], -1, dim)
     if out is None:
         return y
     if tuple(out.shape) != tuple(y.shape) or str(out.dtype) != str(y.dtype) or type(out) is not type(y):
@@ -117,10 +119,10 @@ def call_along(name: str, x: Any, dim: Any, out: Any, options: Mapping[str, Opti
     return out
 
 
-def as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:
+def as_cupy(family: Family, arrays: Sequence[Any], who: str | None = None) -> list[Any]:
     """CuPy arrays for CuPy arrays and DLPack CUDA producers; TypeError, before CUDA is touched,
-    for anything else."""
-    who = f"autosoft.{family.name}"
+    for anything else (naming `who`, default autosoft.<family>)."""
+    who = who or f"autosoft.{family.name}"
     names = [n for n in family.inputs][:len(arrays)]
     out = []
     for name, a in zip(names, arrays):
@@ -148,9 +150,9 @@ def as_cupy(family: Family, arrays: Sequence[Any]) -> list[Any]:
 
 
 def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: Mapping[str, OptionValue],
-             scalar_names: tuple[str, ...]) -> Callable[..., tuple[Any, ...]]:
+             scalar_names: tuple[str, ...], who: str | None = None) -> Callable[..., tuple[Any, ...]]:
     """Check one call signature and return its plan: plan(arrays, scalar_values) -> outputs."""
-    who = f"autosoft.{family.name}"
+    who = who or f"autosoft.{family.name}"
     array_names = tuple(n for n in family.inputs if n not in scalar_names)
     if len(arrays) != len(array_names):
         raise TypeError(f"{who}: expected {len(array_names)} arrays ({', '.join(array_names)}), got {len(arrays)}")

@@ -277,7 +277,7 @@ def _log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
         plan = DISPATCHER.fast.get(("softmax", _LOG_KEY, (), x.dtype, x.shape, x.get_device()))
         if plan is not None:
             return plan((x,), ())[0]
-        return call_family("softmax", (x,), options=LOG)[0]
+        return call_family("softmax", (x,), options=LOG, who="autosoft.log_softmax")[0]
     return call_along("softmax", x, dim, None, LOG, "log_softmax")
 
 

@@ -38,6 +38,17 @@ def test_softmax_of_a_numpy_array_is_a_type_error_without_a_device(no_gpu_allowe
         autosoft.softmax(make())
 
 
+@pytest.mark.parametrize("dim", [-1, 0])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_errors_name_the_function_that_was_called(no_gpu_allowed, name, dim):
+    # log_softmax runs the softmax family: its errors said autosoft.softmax
+    call = getattr(autosoft, name)
+    with pytest.raises(TypeError, match=rf"^autosoft\.{name}: x is a host"):
+        call(np.ones((4, 8), dtype=np.float32), dim=dim)
+    with pytest.raises(TypeError, match=rf"^autosoft\.{name}: x is a list"):
+        call([1.0, 2.0], dim=dim)
+
+
 @pytest.mark.parametrize("value, needle", [
     (None, "NoneType"), ([1.0, 2.0], "list"), (1.5, "float"), ("x", "str"), (object(), "object"),
 ])

@@ -137,7 +137,7 @@ def test_the_real_attention_passes_window_and_softcap_as_the_public_function_doe
     family reads them off k). CPU tensors reach the real implementation; call_family is a stand-in."""
     seen = []
 
-    def record(name, arrays, *, options=None, scalars=None, out=None):
+    def record(name, arrays, *, options=None, scalars=None, out=None, who=None):
         seen.append((name, [tuple(a.shape) for a in arrays], options, scalars))
         return torch.zeros(2, 8, 5, 64, dtype=F16), torch.zeros(2, 8, 5)
 
@@ -256,9 +256,9 @@ def test_the_real_implementations_call_the_array_layer_as_the_public_functions_d
 
     calls = []
 
-    def record(name, arrays, *, options=None, scalars=None, out=None):
+    def record(name, arrays, *, options=None, scalars=None, out=None, who=None):
         calls.append((name, [id(a) for a in arrays], dict(options or {}),
-                      {k: (type(v), v) for k, v in (scalars or {}).items()}))
+                      {k: (type(v), v) for k, v in (scalars or {}).items()}, who))
         outs = autosoft.families.get_family(name).caller_outputs(
             {n: tuple(a.shape) for n, a in zip(("q", "k", "v") if len(arrays) == 3 else ("x",), arrays)},
             "float16", options or {})
@@ -293,7 +293,7 @@ def test_the_operators_take_the_plan_that_the_public_functions_prepared(monkeypa
 
     prepared, ran = [], []
 
-    def prepare(family, fw, arrays, options, names):
+    def prepare(family, fw, arrays, options, names, who=None):
         prepared.append(dict(options))
 
         def plan(arrays, scalars, given=None):
@@ -318,7 +318,7 @@ def _excluded_autograd_when_the_real_implementation_ran(monkeypatch, call):
     excluded (the redispatch below autograd) or not (called by the autograd kernel itself)."""
     seen = []
 
-    def record(name, arrays, *, options=None, scalars=None, out=None):
+    def record(name, arrays, *, options=None, scalars=None, out=None, who=None):
         seen.append(torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality))
         return (torch.zeros(arrays[0].shape),)
 
