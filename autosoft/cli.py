@@ -314,8 +314,9 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
                      seed=args.seed, fresh=args.storage is None and not args.resume,
                      replay=str(args.replay) if args.replay else None, replay_delay_s=args.replay_delay,
                      watchdog=watchdog)
-    where = ("Ray" if args.ray is not None else f"GPUs {','.join(gpus)}" if gpus else "this process")
-    print(f"tuning {len(problems)} problems, {args.trials} trials each, on {where}"
+    where = ("on Ray" if args.ray is not None else f"on GPUs {','.join(gpus)}" if gpus else "in this process")
+    count = f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
+    print(f"tuning {count}, {args.trials} trials each, {where}"
           f"{' (replaying ' + str(args.replay) + ')' if args.replay else ''}; storage {describe(storage)}",
           file=sys.stderr)
     with _sigterm_as_interrupt():  # `kill` or a scheduler's stop: workers give their problems back
