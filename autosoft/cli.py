@@ -17,7 +17,7 @@ from . import __version__
 from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import families, get_family
-from .families.base import Family, Problem, Target, build_variant, space_of
+from .families.base import Family, Problem, Target, build_variant, option_flag, space_of
 from .worker import Watchdog
 
 
@@ -187,7 +187,7 @@ def problem_args(p: argparse.ArgumentParser, family: Family, many: bool = False)
         p.add_argument("--dtype", default=family.default_dtype,
                        help=f"one of {', '.join(family.dtypes)} (default {family.default_dtype})")
     for option in family.options:
-        flag = "--" + option.name.replace("_", "-")
+        flag = option_flag(option.name)
         if option.kind == "flag":
             p.add_argument(flag, dest=f"option_{option.name}", action="store_true", help=option.help)
         else:

@@ -37,7 +37,7 @@ from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap, valid_neighbours
+from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap, option_flag, valid_neighbours
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
@@ -141,7 +141,7 @@ class AttentionFamily(Family):
             raise UserError(f"--kv-len {kv_len}: expected 1 to {INT32_MAX // d} keys")
         for side in ("window_left", "window_right"):
             if side in opts and not int(opts[side]) >= 0:
-                raise UserError(f"--{side.replace('_', '-')} {opts[side]}: expected a number of keys >= 0")
+                raise UserError(f"{option_flag(side)} {opts[side]}: expected a number of keys >= 0")
         if "softcap" in opts and not (math.isfinite(float(opts["softcap"])) and float(opts["softcap"]) > 0):
             raise UserError(f"--softcap {opts['softcap']}: expected a positive number")
         if kv_heads == h:

@@ -25,7 +25,8 @@ from ..space import ParamValue, SearchSpace, load_space
 __all__ = [
     "DTYPES", "ITEMSIZE", "Call", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "TensorMap",
     "Variant",
-    "build_variant", "family_template_digest", "is_valid", "space_of", "template_folders", "template_root", "valid_neighbours",
+    "build_variant", "family_template_digest", "is_valid", "option_flag", "space_of", "template_folders", "template_root",
+    "valid_neighbours",
 ]
 
 OptionValue = bool | int | float
@@ -46,6 +47,11 @@ class Target:
         smem = {"80": 163 * 1024, "86": 99 * 1024, "89": 99 * 1024}.get(arch, 227 * 1024)
         sms = {"80": 108}.get(arch, 132)
         return Target(arch=arch, name=f"sm_{arch}", sm_count=sms, smem_optin=smem)
+
+
+def option_flag(name: str) -> str:
+    """How the command line spells problem option `name`: kv_heads -> --kv-heads."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class ProblemOption:
         try:
             return {"flag": lambda t: t in ("", "1", "true", "True"), "int": int, "float": float}[self.kind](text)
         except ValueError:
-            raise UserError(f"--{self.name.replace('_', '-')} {text!r}: expected {'an integer' if self.kind == 'int' else 'a number'}") from None
+            raise UserError(f"{option_flag(self.name)} {text!r}: expected {'an integer' if self.kind == 'int' else 'a number'}") from None
 
 
 @dataclass(frozen=True)
@@ -103,14 +109,13 @@ class Problem:
         parts += [name if value is True else f"{name}={value}" for name, value in self.options]
         return "+".join(parts)
 
-
     @property
     def tune_command(self) -> str:
         """The command that tunes this problem, its options as the command line spells them:
         autosoft tune attention --shape 1x32x1x128 --kv-heads 8 --kv-len 4096 --dtype bfloat16."""
         words = ["autosoft", "tune", self.family, "--shape", "x".join(map(str, self.shape))]
         for name, value in self.options:
-            words += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+            words += [option_flag(name)] + ([] if value is True else [str(value)])
         return " ".join(words + ["--dtype", self.dtype])
 
 
@@ -270,21 +275,21 @@ class Family(abc.ABC):
         declared = {o.name: o for o in self.options}
         unknown = [name for name in given if name not in declared]
         if unknown:
-            known = ", ".join("--" + n.replace("_", "-") for n in declared) or "none"
-            raise UserError(f"{self.name} takes no {', '.join('--' + n.replace('_', '-') for n in unknown)} "
+            known = ", ".join(map(option_flag, declared)) or "none"
+            raise UserError(f"{self.name} takes no {', '.join(map(option_flag, unknown))} "
                             f"option (its options: {known})")
         out: list[tuple[str, OptionValue]] = []
         for name, option in sorted(declared.items()):
             value = given.get(name, option.initial)
             if value is None:
                 if option.required:
-                    raise UserError(f"{self.name} needs --{name.replace('_', '-')}: {option.help}")
+                    raise UserError(f"{self.name} needs {option_flag(name)}: {option.help}")
                 continue
             if option.kind == "flag":
                 value = bool(value)
             elif option.kind == "int":
                 if isinstance(value, bool) or int(value) != value:
-                    raise UserError(f"--{name.replace('_', '-')} {value!r}: expected an integer")
+                    raise UserError(f"{option_flag(name)} {value!r}: expected an integer")
                 value = int(value)
             else:
                 value = float(value)
