@@ -19,6 +19,7 @@ messages and logs.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import re
 import signal
@@ -86,6 +87,47 @@ def default_storage_url(cache_path: Path | str, processes: int) -> str:
     return f"journal://{path.absolute().parent / (path.stem + '-studies.log')}"
 
 
+def _with_driver(url: str) -> str:
+    """A `postgresql://` URL that names no driver, given the one installed: SQLAlchemy's own
+    choice moved from psycopg2 (up to 2.0) to psycopg 3 (2.1), and the [postgresql] extra brings
+    psycopg2, so README's plain URL failed under SQLAlchemy 2.1 with the extra installed.
+    psycopg2 first, then psycopg; with neither, the URL as given (its error names the extra)."""
+    if not url.lower().startswith("postgresql://"):
+        return url
+    for driver in ("psycopg2", "psycopg"):
+        try:
+            importlib.import_module(driver)
+        except ImportError:
+            continue
+        return f"postgresql+{driver}://" + url[len("postgresql://"):]
+    return url
+
+
+def check_url(url: str) -> None:
+    """Raise UserError (one line) for a URL that no storage could be opened from: not one of
+    FORMS, or a server URL whose SQLAlchemy dialect or database driver is not installed. Opens
+    and creates nothing, so a tune refuses a mistyped --storage before it looks for a GPU."""
+    url = str(url)
+    shown = describe(url)
+    if _journal_path(url) is not None or url.startswith("sqlite:///"):
+        return
+    if not _SERVER_SCHEMES.match(url):
+        raise UserError(f"storage {shown!r}: not a storage URL; give {FORMS}")
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        dialect = make_url(_with_driver(url)).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise UserError(f"storage {shown}: {one_line(exc)[:160]}") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        psycopg2 = re.match(r"postgresql(\+psycopg2)?://", url, re.IGNORECASE)
+        hint = POSTGRES_HINT if psycopg2 else "install that module"
+        raise UserError(f"storage {shown}: its database driver is missing ({one_line(exc)[:120]}): {hint}") from None
+
+
 # --- opening -------------------------------------------------------------------------------------
 
 def open_storage(url: str, *, create: bool = False) -> BaseStorage:
@@ -113,7 +155,7 @@ def open_storage(url: str, *, create: bool = False) -> BaseStorage:
             _check_sqlite(path, shown)
         return _open_rdb(url, shown, create, {"connect_args": {"timeout": 60}})
     if _SERVER_SCHEMES.match(url):
-        return _open_rdb(url, shown, create, {"pool_pre_ping": True})
+        return _open_rdb(_with_driver(url), shown, create, {"pool_pre_ping": True})
     raise UserError(f"storage {shown!r}: not a storage URL; give {FORMS}")
 
 

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from autosoft.cache import Cache
 from autosoft.errors import UserError
 from autosoft.storage import (RetryingStorage, StorageUnavailableError, connection_lost, default_storage_url,
-                              describe, open_storage)
+                              _with_driver, check_url, describe, open_storage)
 from autosoft.tune import study_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -72,11 +72,44 @@ def test_a_server_that_refuses_is_one_line_without_the_password():
 
 
 def test_a_missing_driver_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "psycopg2", None)  # as if psycopg2 were not installed
+    monkeypatch.setitem(sys.modules, "psycopg2", None)  # as if neither driver were installed
+    monkeypatch.setitem(sys.modules, "psycopg", None)
     with pytest.raises(UserError) as excinfo:
         open_storage("postgresql://ann:s3cret@127.0.0.1:1/studies", create=True)
     text = _one_line_error(excinfo, "database driver is missing", "pip install 'autosoft[postgresql]'")
     assert "s3cret" not in text
+
+
+def test_a_url_is_checked_without_opening_anything(tmp_path, monkeypatch):
+    """check_url refuses what no storage could open (a tune calls it before looking for a GPU) and
+    passes the rest untouched: no file is created, no server is asked."""
+    for url in (f"sqlite:///{tmp_path}/a.sqlite", f"journal:///{tmp_path}/a.log", str(tmp_path / "b.log"),
+                "postgresql://ann:s3cret@127.0.0.1:1/studies", "postgresql+psycopg2://ann@127.0.0.1:1/studies"):
+        check_url(url)
+    assert not list(tmp_path.iterdir())
+    cases = {"foo://x": "not a storage URL", "postgresql+nosuch://ann:s3cret@h/db": "nosuch",
+             "mysql+nosuch://ann@h/db": "nosuch"}
+    for url, words in cases.items():
+        with pytest.raises(UserError) as excinfo:
+            check_url(url)
+        assert "s3cret" not in _one_line_error(excinfo, words)
+    monkeypatch.setitem(sys.modules, "psycopg2", None)
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(UserError) as excinfo:
+        check_url("postgresql://ann@h/db")
+    _one_line_error(excinfo, "database driver is missing", "pip install 'autosoft[postgresql]'")
+
+
+def test_a_plain_postgresql_url_takes_the_installed_driver(monkeypatch):
+    """README's `postgresql://user@host/db` names no driver; SQLAlchemy 2.1 would pick psycopg 3,
+    which the [postgresql] extra does not bring: the installed driver is named for it."""
+    pytest.importorskip("psycopg2")
+    assert _with_driver("postgresql://ann@h/db") == "postgresql+psycopg2://ann@h/db"
+    assert _with_driver("postgresql+psycopg://ann@h/db") == "postgresql+psycopg://ann@h/db", "a named driver stays"
+    assert _with_driver("mysql://ann@h/db") == "mysql://ann@h/db"
+    monkeypatch.setitem(sys.modules, "psycopg2", None)
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    assert _with_driver("postgresql://ann@h/db") == "postgresql://ann@h/db", "none installed: as given"
 
 
 def test_sqlite_create_and_open(tmp_path):
@@ -291,6 +324,16 @@ def test_two_processes_add_trials_to_one_study(postgres_server):
     assert sorted(t.number for t in trials) == list(range(2 * (n + 1)))
     assert all(t.state == TrialState.COMPLETE and t.value == t.params["x"] for t in trials)
     assert len(optuna.get_all_study_summaries(open_storage(url))) == 1
+
+
+def test_a_plain_postgresql_url_opens_the_server(postgres_server):
+    """The URL as README writes it (no driver) opens the real server with the extra's driver."""
+    url = postgres_server.database("plain_url").replace("postgresql+psycopg2://", "postgresql://")
+    assert url.startswith("postgresql://")
+    storage = open_storage(url, create=True)
+    study = optuna.create_study(storage=storage, study_name="plain")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
+    assert len(optuna.load_study(study_name="plain", storage=open_storage(url)).trials) == 2
 
 
 def test_postgres_open_without_create_needs_the_tables(postgres_server):
