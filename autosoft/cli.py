@@ -290,16 +290,18 @@ def _gpu_list(text: str, replay: bool) -> list[str]:
         from .runtime import cupy_module
 
         return [str(i) for i in range(cupy_module().cuda.runtime.getDeviceCount())]
-    gpus = [g.strip() for g in text.split(",") if g.strip()]
-    if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+    gpus = [g.strip() for g in text.split(",")]  # an empty item (0,,1) is a typo, not a separator
+    if not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
         raise UserError(f"--gpus {text!r}: expected all, or distinct GPU indices such as 0,1,3")
     return gpus
 
 
 def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Watchdog) -> int:
     from .batch import BatchSpec, run_batch
-    from .storage import default_storage_url, describe
+    from .storage import check_url, default_storage_url, describe
 
+    if args.storage is not None:
+        check_url(args.storage)  # a mistyped URL or a missing driver, before the GPU and any file
     gpus = _gpu_list(args.gpus, args.replay is not None) if args.gpus is not None else None
     several = args.ray is not None or (gpus is not None and len(gpus) > 1)
     if args.replay is None and gpus is None and args.ray is None:

@@ -321,6 +321,10 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
         ("tune", "--problems", tmp_path / "p.yaml", "softmax", "--shape", "64x64"): "not both",
         ("tune", "softmax", "--shape", "64x64", "--problems", tmp_path / "p.yaml"): "unrecognized arguments",
         ("tune", "softmax", "--shape", "64x64", "--gpus", "0,x"): "--gpus",
+        ("tune", "softmax", "--shape", "64x64", "--gpus", "0,,1"): "--gpus",
+        # a storage no tune could open is refused before the GPU is looked for (none here)
+        ("tune", "softmax", "--shape", "64x64", "--storage", "foo://x"): "not a storage URL",
+        ("tune", "softmax", "--shape", "64x64", "--storage", "postgresql+nosuch://u@h/db"): "nosuch",
         ("tune", "softmax", "--shape", "64x64", "--replay-delay", "1"): "--replay-delay",
         ("tune", "softmax", "--shape", "64x64", "--gpus", "0", "--ray"): "give one of them",
         ("tune", "softmax", "--shape", "64x64", "--shape", "64x128", "--replay", tmp_path / "none.sqlite"):
