@@ -32,7 +32,7 @@ LOG_ATOL = {"float32": 1e-6, "float16": 1e-4, "bfloat16": 1e-4}
 
 class SoftmaxFamily(RowsFamily):
     """y = softmax(x) over the last dimension of an (M, N) array, or y = log_softmax(x) with the
-    option `log`; leading dimensions of a caller's array are flattened into M."""
+    option `log` (`--log` on the command line); leading dimensions of a caller's array are flattened into M."""
     name = "softmax"
     template = "softmax/softmax.cu.j2"
     inputs = ("x",)
