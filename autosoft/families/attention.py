@@ -240,18 +240,7 @@ class AttentionFamily(Family):
                 "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
                 "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
                 "persistent": bool(values.get("persistent", False)), "queue": bool(values.get("queue", False)),
-                "chain": bool(values.get("chain", False)), "mma_helpers": False, "merge": values.get("merge", "last_block"), "lpt_heads": self._lpt_heads(problem, values),
-                "heads_compiled": self._heads_compiled(values), "B": b, "H": h}
-
-    @staticmethod
-    def _heads_compiled(values: Mapping[str, Any]) -> bool:
-        """Whether the wgmma kernel has the head count and batch compiled in rather than passed:
-        with lpt or a queue, which serve short causal tiles and divide a tile's number by the head
-        count for every tile, a constant divisor (a multiply and a shift) was 3 to 6 % faster on the
-        short causal rows; elsewhere it gained nothing and the persistent kernels without a mask
-        came out 1 to 4 % slower (ptxas scheduled their main loop differently), so they keep it
-        passed (BENCHMARKS.md, issue 18 at 9d87042)."""
-        return bool(values.get("lpt") or values.get("queue"))
+                "chain": bool(values.get("chain", False)), "mma_helpers": False, "merge": values.get("merge", "last_block"), "lpt_heads": self._lpt_heads(problem, values)}
 
     @staticmethod
     def _lpt_heads(problem: Problem, values: Mapping[str, Any]) -> int:
@@ -274,8 +263,7 @@ class AttentionFamily(Family):
             grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
                 if values.get("persistent") else (-(-n // block_m), h, b)
             queue = bool(values.get("queue"))  # a workspace: the tile counter and the blocks done (the last resets both)
-            heads = () if self._heads_compiled(values) else (np.int32(h), np.int32(b))
-            args_w = (*maps, "o", "lse", "scale", *heads, *(("workspace",) if queue else ()))
+            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *(("workspace",) if queue else ()))
             return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), \
                 8 if queue else 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
