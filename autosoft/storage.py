@@ -123,9 +123,14 @@ def check_url(url: str) -> None:
     try:
         dialect.import_dbapi()
     except ImportError as exc:
-        psycopg2 = re.match(r"postgresql(\+psycopg2)?://", url, re.IGNORECASE)
-        hint = POSTGRES_HINT if psycopg2 else "install that module"
-        raise UserError(f"storage {shown}: its database driver is missing ({one_line(exc)[:120]}): {hint}") from None
+        raise _driver_missing(shown, url, exc) from None
+
+
+def _driver_missing(shown: str, url: str, exc: ImportError) -> UserError:
+    """The one-line error for a server URL whose database driver cannot be imported."""
+    psycopg2 = re.match(r"postgresql(\+psycopg2)?://", url, re.IGNORECASE)
+    hint = POSTGRES_HINT if psycopg2 else "install that module"
+    return UserError(f"storage {shown}: its database driver is missing ({one_line(exc)[:120]}): {hint}")
 
 
 # --- opening -------------------------------------------------------------------------------------
@@ -205,10 +210,8 @@ def _open_rdb(url: str, shown: str, create: bool, engine_kwargs: dict[str, Any])
     def failed(exc: BaseException) -> UserError:
         text = one_line(exc)
         if isinstance(exc, ImportError):
-            cause = exc.__cause__ or exc
-            psycopg2 = re.match(r"postgresql(\+psycopg2)?://", url, re.IGNORECASE)
-            hint = POSTGRES_HINT if psycopg2 else "install that module"
-            return UserError(f"storage {shown}: its database driver is missing ({one_line(cause)[:120]}): {hint}")
+            cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+            return _driver_missing(shown, url, cause)
         if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
             text = one_line(exc.__cause__)  # Optuna's own message only guesses at the cause
         text = re.split(r" \[SQL: | \(Background on this error at: ", text)[0]
