@@ -340,7 +340,7 @@ class _RawLaunch:
 
 
 def _ctype_of(value: Any) -> Any:
-    kinds = {np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.uint64: ctypes.c_uint64,
+    kinds = {np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.uint64: ctypes.c_uint64, np.uint32: ctypes.c_uint32,
              np.float32: ctypes.c_float, np.float64: ctypes.c_double}
     if type(value) in kinds:
         return kinds[type(value)](value.item())

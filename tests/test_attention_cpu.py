@@ -13,7 +13,7 @@ import pytest
 from autosoft.errors import UserError
 from autosoft.families import get_family
 from autosoft.compile import ARCH_SPECIFIC, compile_source
-from autosoft.families.attention import call_options, key_bounds, reference, visible_pairs
+from autosoft.families.attention import call_options, fast_divisor, key_bounds, reference, visible_pairs
 from autosoft.families.base import Target, TensorMap, build_variant, space_of
 
 FAMILY = get_family("attention")
@@ -405,6 +405,23 @@ WGMMA = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem", "layout"
          "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block"}
 
 
+def test_fast_divisor_divides_every_kernel_index_exactly():
+    rng = np.random.default_rng(7)
+    divisors = [*range(1, 1100), *(2**k + e for k in range(11, 31) for e in (-1, 0, 1)), *rng.integers(1, 2**31, 300)]
+    for d in (int(x) for x in divisors if 1 <= x < 2**31):
+        mul, shift = fast_divisor(d)
+        assert isinstance(mul, np.uint32) and isinstance(shift, np.int32)
+        m, p = int(mul), int(shift)
+        # around each multiple of d (where a rounding error would show first) and the ends of [0, 2^31)
+        top = (2**31 - 1) // d * d
+        for n in {0, 1, d - 1, d, d + 1, 2 * d - 1, top - 1, top, 2**31 - 1, *(int(x) for x in rng.integers(0, 2**31, 8))}:
+            if 0 <= n < 2**31:
+                assert (n * m) >> p == n // d, (n, d)
+    for bad in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="outside"):
+            fast_divisor(bad)
+
+
 def test_wgmma_variant_name_and_launch_take_tensor_maps():
     problem = FAMILY.problem("2,16,1000,128", "bfloat16", {"causal": True, "kv_heads": 4, "kv_len": 3000})
     params = {**WGMMA, "block_m": 128, "block_n": 176, "stages": 2, "overlap": True, "pingpong": True}
@@ -431,6 +448,11 @@ def test_wgmma_variant_name_and_launch_take_tensor_maps():
     (launch,) = queued.launches
     assert queued.name.endswith("_n128_s2_ov_pp_pers_queue") and launch.grid == (132, 1, 1)
     assert launch.args[-1] == "workspace" and queued.workspace_bytes == 8, "the tile counter and the blocks done"
+    hq_mul, hq_shift, last_mul, last_shift = (int(a) for a in launch.args[8:12])
+    assert [(n * hq_mul) >> hq_shift for n in (0, 15, 16, 31)] == [0, 0, 1, 1], "the head count as multiplier and shift"
+    # lpt's groups: 2 * 3000 * 128 * 2 bytes of K and V per KV head, 16 fit in half of 50 MB, 4 query heads each
+    assert [(n * last_mul) >> last_shift for n in (31, 32, 95)] == [0, 1, 2], "the last group: all 32 (batch, head) pairs"
+    assert "divide(flat_head, hq_mul, hq_shift)" in queued.source and "divide(" not in persistent.source.split("__global__")[1]
     assert launch.shared_mem == persistent.launches[0].shared_mem + 8, "the Q buffers' tile numbers"
     assert "atomicAdd(queue, 1)" in queued.source and "atomicAdd" not in persistent.source
     assert q.stride_names == ("q_stride0", "q_stride1", "q_stride2")

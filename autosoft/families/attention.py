@@ -263,7 +263,12 @@ class AttentionFamily(Family):
             grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
                 if values.get("persistent") else (-(-n // block_m), h, b)
             queue = bool(values.get("queue"))  # a workspace: the tile counter and the blocks done (the last resets both)
-            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *(("workspace",) if queue else ()))
+            # with a queue, a tile's (batch, head) comes from its number by dividing by the head
+            # count, and with lpt by the last group's head count: each passed as multiplier and shift
+            lpt_heads = self._lpt_heads(problem, values)
+            last_heads = h * b % lpt_heads or lpt_heads
+            divisors = (*fast_divisor(h), *fast_divisor(last_heads), "workspace") if queue else ()
+            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *divisors)
             return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), \
                 8 if queue else 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
@@ -650,6 +655,20 @@ def call_options(causal: Any, window: Any, softcap: Any, who: str = "autosoft.at
             raise ValueError(f"{who}: softcap must be None or a positive finite number, got {cap}")
         options["softcap"] = cap
     return options
+
+
+def fast_divisor(d: int) -> tuple[np.uint32, np.int32]:
+    """The multiplier m and shift p that divide by d (1 <= d < 2**31) any n in [0, 2**31) as
+    (n * m) >> p, a 64-bit product and a shift (the round-up method, as CUTLASS's FastDivmod):
+    p = 31 + ceil(log2 d) and m = ceil(2**p / d). The kernel's divisions by a run-time head count
+    take this instead of an integer division (some twenty instructions), and its source stays the
+    same whatever the head count (the verification problem has fewer heads than the tuned one).
+    Exact: m * d - 2**p = e < d <= 2**ceil(log2 d), so n * e < 2**p, and n / d plus n * e / (d 2**p)
+    never reaches the next integer."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"fast_divisor: divisor {d} is outside [1, 2**31)")
+    shift = 31 + (d - 1).bit_length()
+    return np.uint32(-(-(1 << shift) // d)), np.int32(shift)
 
 
 def _kv(problem: Problem) -> tuple[int, int]:
