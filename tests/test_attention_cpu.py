@@ -3,6 +3,7 @@ conformance suite compiles a sample of its variants with NVRTC)."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -420,6 +421,21 @@ def test_fast_divisor_divides_every_kernel_index_exactly():
     for bad in (0, -3, 2**31):
         with pytest.raises(ValueError, match="outside"):
             fast_divisor(bad)
+
+
+@pytest.mark.parametrize("block_m, blocks_per_sm", [(64, 2), (128, 1), (192, 1)])
+@pytest.mark.parametrize("queue", [False, True])
+def test_setmaxnreg_never_asks_for_more_registers_than_the_block_holds(block_m, blocks_per_sm, queue):
+    """An increase past the block's registers waits forever: the producer's decrease and the
+    consumers' increase must fit in what the launch bound gave every thread (in steps of 8)."""
+    problem = FAMILY.problem("4,16,4096,64", "bfloat16", {"causal": True})
+    params = {**WGMMA, "block_m": block_m, "block_n": 128, "stages": 2, "overlap": True, "pingpong": block_m == 128,
+              "blocks_per_sm": blocks_per_sm, "persistent": True, "queue": queue}
+    v = build_variant(FAMILY, problem, params, Target.for_arch("90"))
+    (dec,), (inc,) = (re.findall(rf"setmaxnreg\.{op}\.sync\.aligned\.u32 (\d+)", v.source) for op in ("dec", "inc"))
+    threads = v.launches[0].block[0]
+    launch_regs = 65536 // (threads * blocks_per_sm) // 8 * 8
+    assert 128 * int(dec) + (threads - 128) * int(inc) <= launch_regs * threads
 
 
 def test_wgmma_variant_name_and_launch_take_tensor_maps():
