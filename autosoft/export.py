@@ -265,7 +265,8 @@ def _encode_map(tmap: TensorMap, check: str) -> list[str]:
     itemsize = ITEMSIZE[tmap.dtype]
     rank = len(tmap.shape)
     packed = tmap.contiguous_strides
-    strides = [f"{packed[d] * itemsize}ull" if tmap.shape[d] == 1 else f"(cuuint64_t){tmap.stride_names[d]} * {itemsize}"
+    strides = [f"{packed[d] * itemsize}ull" if tmap.shape[d] == 1 or tmap.always_contiguous
+               else f"(cuuint64_t){tmap.stride_names[d]} * {itemsize}"
                for d in reversed(range(rank - 1))]
     return [
         f"  TensorMap map_{tmap.array};",

@@ -156,7 +156,7 @@ class LoadedVariant:
                 if tmap.array not in position:
                     raise KeyError(f"{self.variant.name}: launch {raw.kernel} maps buffer {tmap.array!r}, not among {names}")
                 strides = tuple(position[n] for n in tmap.stride_names) \
-                    if all(n in position for n in tmap.stride_names) else None
+                    if tmap.stride_names and all(n in position for n in tmap.stride_names) else None
                 maps.append((raw, slot, tmap, position[tmap.array], strides))
             binds = []
             for slot, name in raw.bound:

@@ -464,7 +464,11 @@ def test_wgmma_variant_name_and_launch_take_tensor_maps():
     (launch,) = queued.launches
     assert queued.name.endswith("_n128_s2_ov_pp_pers_queue") and launch.grid == (132, 1, 1)
     assert launch.args[-1] == "workspace" and queued.workspace_bytes == 8, "the tile counter and the blocks done"
-    hq_mul, hq_shift, last_mul, last_shift = (int(a) for a in launch.args[8:12])
+    assert launch.args[3] == TensorMap("o", (2, 16, 1000, 128), (1, 1, 64, 64), "bfloat16", always_contiguous=True), \
+        "with a queue a consumer's 64 rows are stored by the tensor-memory accelerator"
+    assert launch.args[3].stride_names == (), "the output is contiguous: no stride arguments"
+    assert "tma_store(&tm_o" in queued.source and "tma_store(&tm_o" not in persistent.source
+    hq_mul, hq_shift, last_mul, last_shift = (int(a) for a in launch.args[9:13])
     assert [(n * hq_mul) >> hq_shift for n in (0, 15, 16, 31)] == [0, 0, 1, 1], "the head count as multiplier and shift"
     # lpt's groups: 2 * 3000 * 128 * 2 bytes of K and V per KV head, 16 fit in half of 50 MB, 4 query heads each
     assert [(n * last_mul) >> last_shift for n in (31, 32, 95)] == [0, 1, 2], "the last group: all 32 (batch, head) pairs"

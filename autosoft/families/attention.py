@@ -256,13 +256,15 @@ class AttentionFamily(Family):
         kv_heads, kv_len = _kv(problem)
         if values.get("engine") == "wgmma":  # a producer warpgroup and one consumer per 64 rows
             block_m, block_n = int(values["block_m"]), int(values["block_n"])
+            queue = bool(values.get("queue"))  # a workspace: the tile counter and the blocks done (the last resets both)
             maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, 64), problem.dtype),
                     TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
-                    TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype))
+                    TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
+                    # with a queue each consumer's 64 rows of O are stored by the tensor-memory accelerator
+                    *((TensorMap("o", (b, h, n, d), (1, 1, 64, 64), problem.dtype, always_contiguous=True),) if queue else ()))
             tiles = -(-n // block_m) * h * b
             grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
                 if values.get("persistent") else (-(-n // block_m), h, b)
-            queue = bool(values.get("queue"))  # a workspace: the tile counter and the blocks done (the last resets both)
             # with a queue, a tile's (batch, head) comes from its number by dividing by the head
             # count, and with lpt by the last group's head count: each passed as multiplier and shift
             lpt_heads = self._lpt_heads(problem, values)

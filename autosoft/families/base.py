@@ -125,19 +125,23 @@ PORTABLE_CLUSTER_BLOCKS = 8  # the largest cluster every sm_90 launch accepts wi
 @dataclass(frozen=True)
 class TensorMap:
     """A launch argument that is a TMA tensor map (CUtensorMap: 128 bytes, passed by value to a
-    `const __grid_constant__` parameter) over one input, which the runtime encodes at launch from
-    the array's address and strides (its `<array>_stride<i>` arguments, else contiguous): a tiled
-    map of `shape` (outermost first, the last dimension contiguous) moving boxes of `box`
-    (outermost first) with 128-byte swizzle; boxes reaching past an edge are filled with zeros.
-    box[-1] * itemsize must be 128 (one swizzled row) and every other stride a multiple of 16 bytes."""
+    `const __grid_constant__` parameter) over one input or output, which the runtime encodes at
+    launch from the array's address and strides (its `<array>_stride<i>` arguments, else
+    contiguous): a tiled map of `shape` (outermost first, the last dimension contiguous) moving
+    boxes of `box` (outermost first) with 128-byte swizzle; a box loaded past an edge is filled
+    with zeros, and a box stored past one writes nothing there.
+    box[-1] * itemsize must be 128 (one swizzled row) and every other stride a multiple of 16 bytes.
+    always_contiguous: the array is laid out contiguously whatever the call (an output the family
+    allocates): it has no stride arguments."""
     array: str
     shape: tuple[int, ...]
     box: tuple[int, ...]
     dtype: str
+    always_contiguous: bool = False
 
     @property
     def stride_names(self) -> tuple[str, ...]:
-        return tuple(f"{self.array}_stride{i}" for i in range(len(self.shape) - 1))
+        return () if self.always_contiguous else tuple(f"{self.array}_stride{i}" for i in range(len(self.shape) - 1))
 
     @property
     def contiguous_strides(self) -> tuple[int, ...]:
@@ -152,7 +156,7 @@ class TensorMap:
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch. Each arg is a buffer name (bound at run time: a device pointer, or a
-    scalar such as attention's scale), a literal numpy scalar or a TensorMap over an input. cluster_blocks is the cluster
+    scalar such as attention's scale), a literal numpy scalar or a TensorMap over an input or output. cluster_blocks is the cluster
     size compiled into the kernel (__cluster_dims__), 1 for none: past 8 blocks (the portable
     size) the launch must opt in to a non-portable cluster. A cooperative launch has every block
     of its grid resident at once (or fails to launch), for blocks that wait for each other. The
