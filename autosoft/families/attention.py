@@ -265,12 +265,12 @@ class AttentionFamily(Family):
             tiles = -(-n // block_m) * h * b
             grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
                 if values.get("persistent") else (-(-n // block_m), h, b)
-            # with a queue, a tile's (batch, head) comes from its number by dividing by the head
-            # count, and with lpt by the last group's head count: each passed as multiplier and shift
-            lpt_heads = self._lpt_heads(problem, values)
-            last_heads = h * b % lpt_heads or lpt_heads
-            divisors = (*fast_divisor(h), *fast_divisor(last_heads), "workspace") if queue else ()
-            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *divisors)
+            queued: tuple[Any, ...] = ()
+            if queue:  # a tile's (batch, head) comes from its number by dividing by the head count,
+                # and with lpt by the last group's head count: each passed as multiplier and shift
+                lpt_heads = self._lpt_heads(problem, values)
+                queued = (*fast_divisor(h), *fast_divisor(h * b % lpt_heads or lpt_heads), "workspace")
+            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *queued)
             return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), \
                 8 if queue else 0
         pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
