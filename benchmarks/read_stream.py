@@ -1,4 +1,4 @@
-"""How fast can a grid of 128-thread blocks only read S bytes? The floor under a decode kernel.
+"""How fast can a grid only read S bytes? The floor under a decode kernel.
 
     python benchmarks/read_stream.py                       # 16.8 and 134 MB: decode's K and V at B = 1
     python benchmarks/read_stream.py --mb 17,134 --out stream.json
@@ -7,7 +7,9 @@ Each block reads its contiguous share of S bytes through a ring of shared-memory
 decode kernel streams its keys and values, and sums a few words of every tile (so that the reads
 are used), with either cp.async (16 bytes per thread per instruction) or one TMA bulk copy per
 tile (cp.async.bulk, mbarrier completion). Grids of 128 (one per SM), 256 and 512 blocks, tiles of
-16 and 32 KB, 2 to 4 stages. Timed as every variant is (autosoft.timing.time_gpu: CUDA events
+16 and 32 KB, 2 to 4 stages. And as a bandwidth test reads, with no shared memory: plain 16-byte
+loads (ld.global.nc), 8 in flight per thread, by grids of 1, 2, 4 and 8 blocks of 256 threads
+per SM striding over the bytes. Timed as every variant is (autosoft.timing.time_gpu: CUDA events
 behind a spin kernel, median, inputs rotated past the L2), beside a device copy of S / 2 bytes
 each way (the issue's "copy moving the same bytes"). Nothing is computed or written, so no
 attention kernel reading the same bytes can be faster than the best of these. Needs a GPU with
@@ -95,6 +97,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) ring_bulk(const char* __re
   }
   out[blockIdx.x * THREADS + threadIdx.x] = acc;
 }
+// every thread of the grid takes 16-byte words i, i + stride, ..., eight loads in flight at a time
+extern "C" __global__ void __launch_bounds__(256) plain_loads(const uint4* __restrict__ src, long long n16, float* out) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  float acc = 0.f;
+  for (; i + 7 * stride < n16; i += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = __ldg(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc += __int_as_float(v[u].x) + __int_as_float(v[u].w);
+  }
+  for (; i < n16; i += stride) { const uint4 v = __ldg(src + i); acc += __int_as_float(v.x) + __int_as_float(v.w); }
+  out[blockIdx.x * blockDim.x + threadIdx.x] = acc;
+}
 """
 
 
@@ -114,7 +131,9 @@ def main() -> int:
     kernels = {name: module.get_function(name) for name in ("ring_cp_async", "ring_bulk")}
     for kernel in kernels.values():  # up to 4 stages of 32 KB: past the 48 KB that needs no opt-in
         cp.cuda.driver.funcSetAttribute(kernel.ptr, MAX_DYNAMIC_SHARED, 4 * 32768)
-    out = cp.zeros(512 * 128, cp.float32)
+    plain = module.get_function("plain_loads")
+    sms = device.target.sm_count
+    out = cp.zeros(8 * sms * 256, cp.float32)  # a float per thread of the largest grid
     rows = []
     for mb in (float(x) for x in args.mb.split(",")):
         size = max(8 << 20, round(mb * 1e6 / (8 << 20)) * (8 << 20))  # 8 MiB steps: every grid's shares are whole tiles
@@ -139,6 +158,15 @@ def main() -> int:
                                      "read_mb": read / 1e6, "us": us, "tb_per_s": read / us / 1e6, "copy_us": copy_us})
                         print(f"  {name:13} grid {grid:4} tile {tile:6} stages {stages}: {read / 1e6:6.1f} MB read "
                               f"in {us:8.2f} us, {read / us / 1e6:5.2f} TB/s")
+        for per_sm in (1, 2, 4, 8):
+            def run_plain(i: int, grid=per_sm * sms) -> None:
+                plain((grid,), (256,), (sets[i], cp.int64(size // 16), out))
+
+            us = time_gpu(run_plain, n_sets, args.reps).median_us
+            rows.append({"mb": size / 1e6, "kernel": "plain_loads", "grid": per_sm * sms, "tile": 0, "stages": 0,
+                         "read_mb": size / 1e6, "us": us, "tb_per_s": size / us / 1e6, "copy_us": copy_us})
+            print(f"  plain_loads   grid {per_sm * sms:4} (256 threads): {size / 1e6:6.1f} MB read in {us:8.2f} us, "
+                  f"{size / us / 1e6:5.2f} TB/s")
         best = min((r for r in rows if r["mb"] == size / 1e6), key=lambda r: r["us"], default=None)
         if best:
             print(f"  fastest: {best['us']:.2f} us ({best['kernel']}, grid {best['grid']}, tile {best['tile']}, "
