@@ -5,6 +5,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import sqlite3
 import sys
@@ -220,6 +221,14 @@ def _valid_cache_bytes(tmp_path: Path) -> bytes:
     return path.read_bytes()
 
 
+def _header_then_garbage(wal: bool) -> bytes:
+    """SQLite's 16-byte magic, then garbage, with the header's read-version byte (19) chosen, not drawn:
+    drawn, it said "WAL" once in 256 runs, and the test's outcome with it."""
+    garbage = bytearray(random.Random(19).randbytes(8000))
+    garbage[19 - 16] = 2 if wal else 1
+    return b"SQLite format 3\0" + bytes(garbage)
+
+
 def _foreign_db(path: Path) -> None:
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE entries (a, b)")
@@ -240,7 +249,9 @@ def _db_with_meta(path: Path, meta: dict[str, str], tables: bool = True) -> None
 BAD_FILES = {
     "random_bytes": lambda p, t: p.write_bytes(os.urandom(4096 * 3)),
     "text": lambda p, t: p.write_text("family,dtype\nsoftmax,float32\n"),
-    "sqlite_header_then_garbage": lambda p, t: p.write_bytes(b"SQLite format 3\0" + os.urandom(8000)),
+    "sqlite_header_then_garbage": lambda p, t: p.write_bytes(_header_then_garbage(wal=False)),
+    # byte 19 = 2 says "WAL mode": SQLite then makes -wal and -shm files before finding the rest unreadable
+    "sqlite_header_says_wal_then_garbage": lambda p, t: p.write_bytes(_header_then_garbage(wal=True)),
     "truncated_to_header": lambda p, t: p.write_bytes(_valid_cache_bytes(t)[:100]),
     "truncated_to_one_page": lambda p, t: p.write_bytes(_valid_cache_bytes(t)[:4096]),
     "truncated_half": lambda p, t: p.write_bytes(_valid_cache_bytes(t)[: len(_valid_cache_bytes(t)) // 2]),
