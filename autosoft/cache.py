@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from .errors import CacheWarning, UserError, one_line
+from .files import sqlite_side_files_removed_on_error
 
 SCHEMA_VERSION = 1
 APP_ID = "autosoft-cache"
@@ -121,28 +122,16 @@ class Cache:
         if self.path.exists():
             if not self.path.is_file():
                 raise UserError(f"cache {self.path}: is not a file; pass --cache with a file path")
-            side_files_before = self._side_files()
-            try:
+            with sqlite_side_files_removed_on_error(self.path):
                 if create and self._is_blank():
                     self._create()  # another process is creating it right now, or it was left empty
                 self._validate()
-            except UserError:
-                # A file whose header says "WAL mode" (byte 19 is 2; 1 in 256 garbage files) makes SQLite
-                # create -wal and -shm beside it even when it then reads nothing: take away what we made.
-                for side_file in self._side_files() - side_files_before:
-                    side_file.unlink(missing_ok=True)
-                raise
         elif not create:
             raise UserError(f"cache {self.path}: no such file")
         else:
             self._create()
 
     # -- opening -----------------------------------------------------------------------
-    def _side_files(self) -> set[Path]:
-        """SQLite's journal, WAL and shared-memory files of this cache that exist now."""
-        sides = (self.path.with_name(self.path.name + suffix) for suffix in ("-journal", "-wal", "-shm"))
-        return {side for side in sides if side.exists()}
-
     def _connect(self, readonly: bool = False) -> sqlite3.Connection:
         if readonly:
             uri = f"file:{urllib.parse.quote(str(self.path.resolve()))}?mode=ro"  # '#', '?' in paths

@@ -36,6 +36,7 @@ from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import BaseHeartbeat
 
 from .errors import UserError, one_line
+from .files import sqlite_side_files_removed_on_error
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -156,9 +157,10 @@ def open_storage(url: str, *, create: bool = False) -> BaseStorage:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise UserError(f"storage {shown}: cannot create its folder ({one_line(exc)})") from None
-        else:
-            _check_sqlite(path, shown)
-        return _open_rdb(url, shown, create, {"connect_args": {"timeout": 60}})
+        with sqlite_side_files_removed_on_error(path):
+            if not create:
+                _check_sqlite(path, shown)
+            return _open_rdb(url, shown, create, {"connect_args": {"timeout": 60}})
     if _SERVER_SCHEMES.match(url):
         return _open_rdb(_with_driver(url), shown, create, {"pool_pre_ping": True})
     raise UserError(f"storage {shown!r}: not a storage URL; give {FORMS}")

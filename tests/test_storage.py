@@ -134,6 +134,21 @@ def test_sqlite_create_and_open(tmp_path):
     _one_line_error(excinfo, "not an Optuna storage")
 
 
+@pytest.mark.parametrize("create", [False, True])
+def test_sqlite_file_of_garbage_saying_wal_is_refused_and_left_alone(tmp_path, create):
+    """Byte 19 = 2 in SQLite's header says WAL mode: SQLite makes -wal and -shm on opening such a file,
+    before it finds the rest unreadable. The user's file is refused, unchanged, with nothing beside it."""
+    path = tmp_path / "studies.sqlite"
+    garbage = bytearray(b"SQLite format 3\0" + bytes(range(256)) * 16)
+    garbage[18] = garbage[19] = 2
+    path.write_bytes(bytes(garbage))
+    with pytest.raises(UserError) as excinfo:
+        open_storage(f"sqlite:///{path}", create=create)
+    _one_line_error(excinfo, str(path))
+    assert path.read_bytes() == bytes(garbage)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["studies.sqlite"], "no -wal or -shm left behind"
+
+
 def test_journal_create_and_open_both_spellings(tmp_path):
     plain = tmp_path / "a" / "b" / "studies.log"
     with pytest.raises(UserError) as excinfo:
