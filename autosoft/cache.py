@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from .errors import CacheWarning, UserError, one_line
-from .files import sqlite_side_files_removed_on_error
+from .files import sqlite_header_problem
 
 SCHEMA_VERSION = 1
 APP_ID = "autosoft-cache"
@@ -122,10 +122,12 @@ class Cache:
         if self.path.exists():
             if not self.path.is_file():
                 raise UserError(f"cache {self.path}: is not a file; pass --cache with a file path")
-            with sqlite_side_files_removed_on_error(self.path):
-                if create and self._is_blank():
-                    self._create()  # another process is creating it right now, or it was left empty
-                self._validate()
+            problem = sqlite_header_problem(self.path)  # before SQLite opens it: see its docstring
+            if problem:
+                raise UserError(f"cache {self.path}: unreadable ({problem}); the file was left as it is")
+            if create and self._is_blank():
+                self._create()  # another process is creating it right now, or it was left empty
+            self._validate()
         elif not create:
             raise UserError(f"cache {self.path}: no such file")
         else:

@@ -1,14 +1,14 @@
 """Files written whole or not at all: the text goes to a temporary file in the same folder, is
 synced, and takes the target's place with os.replace, so a failure (disk full, interrupted)
-never leaves a half-written file and a reader sees the old text or the new one. And SQLite files
-that turn out to be bad are left as they were found, with nothing new beside them."""
+never leaves a half-written file and a reader sees the old text or the new one. And a file's
+SQLite header is read before SQLite opens it, so that a bad file is refused with nothing made
+beside it."""
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -32,23 +32,25 @@ def replace_text(target: Path, text: str) -> None:
                 tmp.unlink()
 
 
-@contextlib.contextmanager
-def sqlite_side_files_removed_on_error(database: Path) -> Iterator[None]:
-    """Where the block raises, remove the -journal, -wal and -shm files of `database` that it made.
+def sqlite_header_problem(path: Path) -> str | None:
+    """Why the file at `path` cannot be an SQLite database, judged from its 100-byte header alone, or
+    None (an empty file too: SQLite takes it for a new database).
 
-    SQLite makes -wal and -shm beside a file whose header says "WAL mode" (byte 19 is 2) as it opens
-    it, read-only too, even when the rest is garbage it then cannot read; a user's bad file must be
-    refused with nothing left beside it. Side files that were there before are never touched."""
-    before = _sqlite_side_files(database)
+    Checked before SQLite opens a file: SQLite makes -wal and -shm beside a file whose header says
+    "WAL mode" (byte 19 is 2) as it opens it, read-only too, before it reads the rest; garbage with
+    that byte would be refused with two new files left beside it. The fields checked are the ones
+    every SQLite database has: the magic, a page size that is a power of two from 512 to 65536, and
+    the payload fractions 64, 32, 32 (https://www.sqlite.org/fileformat.html#the_database_header)."""
     try:
-        yield
-    except BaseException:
-        for side in _sqlite_side_files(database) - before:
-            with contextlib.suppress(OSError):
-                side.unlink()
-        raise
-
-
-def _sqlite_side_files(database: Path) -> set[Path]:
-    sides = (database.with_name(database.name + suffix) for suffix in ("-journal", "-wal", "-shm"))
-    return {side for side in sides if side.exists()}
+        with open(path, "rb") as f:
+            header = f.read(100)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if not header:
+        return None
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    if (len(header) < 100 or not header.startswith(b"SQLite format 3\0") or header[21:24] != b"\x40\x20\x20"
+            or page_size < 512 or page_size & (page_size - 1)):
+        return "file is not a database"  # SQLite's own words for it
+    return None

@@ -36,7 +36,7 @@ from optuna.storages import BaseStorage
 from optuna.storages._heartbeat import BaseHeartbeat
 
 from .errors import UserError, one_line
-from .files import sqlite_side_files_removed_on_error
+from .files import sqlite_header_problem
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -157,10 +157,11 @@ def open_storage(url: str, *, create: bool = False) -> BaseStorage:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise UserError(f"storage {shown}: cannot create its folder ({one_line(exc)})") from None
-        with sqlite_side_files_removed_on_error(path):
-            if not create:
-                _check_sqlite(path, shown)
-            return _open_rdb(url, shown, create, {"connect_args": {"timeout": 60}})
+        if not create:
+            _check_sqlite(path, shown)
+        elif path.is_file():
+            _check_sqlite_header(path, shown)
+        return _open_rdb(url, shown, create, {"connect_args": {"timeout": 60}})
     if _SERVER_SCHEMES.match(url):
         return _open_rdb(_with_driver(url), shown, create, {"pool_pre_ping": True})
     raise UserError(f"storage {shown!r}: not a storage URL; give {FORMS}")
@@ -193,6 +194,7 @@ def _check_sqlite(path: Path, shown: str) -> None:
     if not path.is_file():
         raise UserError(f"storage {shown}: no such file (autosoft tune writes <cache stem>-studies.sqlite "
                         "beside the cache)")
+    _check_sqlite_header(path, shown)
     try:
         uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
         conn = sqlite3.connect(uri, uri=True)
@@ -204,6 +206,13 @@ def _check_sqlite(path: Path, shown: str) -> None:
         raise UserError(f"storage {shown}: unreadable ({one_line(exc)})") from None
     if not {"studies", "trials"} <= tables:
         raise UserError(f"storage {shown}: not an Optuna storage (no studies table)")
+
+
+def _check_sqlite_header(path: Path, shown: str) -> None:
+    """Refuse a file whose header no SQLite database has, before SQLite opens it and makes files beside it."""
+    problem = sqlite_header_problem(path)
+    if problem:
+        raise UserError(f"storage {shown}: unreadable ({problem})")
 
 
 def _open_rdb(url: str, shown: str, create: bool, engine_kwargs: dict[str, Any]) -> RetryingStorage:

@@ -280,6 +280,23 @@ def test_bad_files_are_refused_by_name_and_left_untouched(tmp_path, kind):
         "no journal or WAL file left behind"
 
 
+@pytest.mark.parametrize("page_size, journal_mode", [(512, "DELETE"), (4096, "WAL"), (65536, "DELETE")])
+def test_caches_of_any_page_size_and_in_wal_mode_still_open(tmp_path, page_size, journal_mode):
+    """The header is checked before SQLite opens a file; every header SQLite writes must pass
+    (65536 is stored as 1), and a cache someone switched to WAL mode is a cache."""
+    path = tmp_path / "k.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA page_size = {page_size}")
+    conn.execute("VACUUM")
+    conn.close()
+    Cache(path).put(make_entry(softmax_key()))
+    conn = sqlite3.connect(path)
+    assert conn.execute(f"PRAGMA journal_mode = {journal_mode}").fetchone()[0].upper() == journal_mode
+    assert conn.execute("PRAGMA page_size").fetchone()[0] == page_size
+    conn.close()
+    assert [e.key for e in Cache(path, create=False).entries()] == [softmax_key()]
+
+
 @pytest.mark.parametrize("folder", ["with space", "hash#mark", "question?mode=rw", "percent%41", "100%"])
 def test_paths_with_uri_characters_work(tmp_path, folder):
     """The path is a file name, not a URI: '#', '?' and '%' in it must not change which file is opened."""
