@@ -67,6 +67,16 @@ def test_the_log_softmax_never_keeps_exponentials_and_says_why():
     assert any(p["keep_exp"] for p in space_of(SOFTMAX).valid_points(SOFTMAX.problem_values(plain, H200)))
 
 
+def test_long_16_bit_log_rows_measure_eight_staged_chunks_within_the_tables_trials():
+    # the issue-19 table tunes with 24 trials: the default and the first 23 seeds
+    wanted = {"storage": "smem", "threads": 512, "normalise": "online", "chunks": 8, "reduce": "smem", "stagger": 1000}
+    for dtype in ("float16", "bfloat16"):
+        problem = SOFTMAX.problem("1024x32768", dtype, {"log": True})
+        seeds = SOFTMAX.seed_params(problem, H200)[:23]
+        assert any(all(s[k] == v for k, v in wanted.items()) for s in seeds), dtype
+        assert all(SOFTMAX.is_valid(problem, H200, s) for s in seeds)
+
+
 def test_log_variants_compile_for_sm90_and_sm80():
     jobs = set()
     for shape, dtype in (("7x1025", "float32"), ("4096x8192", "bfloat16"), ("32x131072", "float16"),

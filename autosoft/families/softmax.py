@@ -125,7 +125,7 @@ class SoftmaxFamily(RowsFamily):
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Structured starting points the tuner measures first: the row staged in shared memory
-        (whole, or worked on in chunks as they land), held in registers by groups of every size
+        (whole, or worked on in 4 or 8 chunks as they land), held in registers by groups of every size
         (also with evict-first accesses), big rows with a staggered first wave, splits over a
         cluster or a cooperative grid, and two-launch splits for few wide rows."""
         base = self.default_params(problem, target)
@@ -140,6 +140,11 @@ class SoftmaxFamily(RowsFamily):
             changes.append({**arriving, "row_threads": g, "threads": g, "keep_exp": True})
             changes.append({**arriving, "row_threads": g, "threads": g})
             changes.append({**arriving, "row_threads": g, "threads": g, "stagger": 2000})
+        # Eight chunks of a staged row, reduced through shared memory, every other first-wave block
+        # 1 us late: the family's fastest variant for 1024x32768 bfloat16 log rows in each of three
+        # runs on the H200 (scans of 61 and 181 variants, a probe of 4; benchmarks/results/log_write_ab/),
+        # ahead of every seed above. Twenty-four trials measure it: the default and 23 seeds.
+        changes.append({**arriving, "row_threads": 512, "threads": 512, "chunks": 8, "reduce": "smem", "stagger": 1000})
         for g in (8, 16, 32, 64, 128, 256, 512, 1024):
             for keep in (True, False):
                 changes.append({**on_chip, "row_threads": g, "threads": max(g, 128), "keep_exp": keep})
