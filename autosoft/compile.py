@@ -22,9 +22,12 @@ COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "--use_fast_math")
 # mark is part of the source, so the source digest already tells the two targets apart.
 ARCH_SPECIFIC = "// autosoft: arch-specific target"
 
-# ptxas warnings that mean a Hopper kernel would silently run far below what it was written for:
-# setmaxnreg ignored (C7508), wgmma serialised by an injected wait (C7517, C7519, C7520).
-REJECTED_PTXAS_WARNINGS = re.compile(r"C75(08|17|19|20)")
+# ptxas messages that mean a Hopper kernel would silently run far below what it was written for:
+# setmaxnreg ignored (C7508), an injected warpgroup.arrive (C7519), and every "Potential
+# Performance Loss: wgmma.mma_async instructions are serialized due to ..." whatever the cause,
+# each with a code of its own: a wait it had to inject (C7517, C7520), too few registers for the
+# pipeline (C7511), accumulators defined by other instructions inside a pipeline stage (C7515).
+REJECTED_PTXAS_WARNINGS = re.compile(r"C75(08|17|19|20)|wgmma\.mma_async instructions are serialized")
 
 
 @dataclass(frozen=True)

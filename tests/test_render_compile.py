@@ -436,6 +436,66 @@ def test_a_marked_source_compiles_for_sm90a_and_an_unmarked_one_for_sm90():
     assert source_digest(ARCH_SPECIFIC + "\n" + good, "90") != source_digest(good, "90")
 
 
+# ptxas's own lines (NVRTC 13.0, sm_90a), met on kernels that autosoft must not keep: the wgmma
+# attention template with a half-width diagonal tile (C7511, C7515, C7519, C7520; see
+# benchmarks/results/issue18_half_tile_3365f00/), _SETMAXNREG without a block count (C7508), _TWO_WGMMA below (C7517)
+_SERIALISED = [
+    "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+    "insufficient register resources for the wgmma pipeline in the function 'attention_fwd'",
+    "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non "
+    "wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in "
+    "the function 'attention_fwd'",
+    "ptxas info    : (C7519) warpgroup.arrive is injected in around line 2111 by compiler to allow use of registers "
+    "in GMMA in function 'attention_fwd'",
+    "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program "
+    "dependence on compiler-inserted WG.AR in divergent path in the function 'attention_fwd'",
+    "ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to determine register count "
+    "at entry.",
+    "ptxas info    : (C7517) warpgroup.wait is injected in around line 42 by compiler to allow use of registers "
+    "defined by GMMA in function 'serialised'",
+]
+
+
+def test_every_wgmma_serialisation_ptxas_reports_is_a_rejection_and_nothing_else_is():
+    from autosoft.compile import REJECTED_PTXAS_WARNINGS
+
+    for line in _SERIALISED:
+        assert REJECTED_PTXAS_WARNINGS.search(line), line
+    for line in ("ptxas info    : Used 168 registers, used 1 barriers, 12 bytes spill stores",
+                 "ptxas info    : Compiling entry function 'attention_fwd' for 'sm_90a'",
+                 "ptxas info    : Function properties for attention_fwd"):
+        assert not REJECTED_PTXAS_WARNINGS.search(line), line
+
+
+def test_a_kernel_whose_wgmma_ptxas_serialises_is_rejected():
+    """A non-wgmma instruction writing an accumulator between two wgmma of one pipeline stage: ptxas
+    serialises them (and says so); that variant fails to compile. The same kernel without it compiles."""
+    from autosoft.compile import ARCH_SPECIFIC
+
+    kernel = _TWO_WGMMA.replace("MIDDLE", "d[1] = d[1] + 1.f;")
+    result = compile_source(ARCH_SPECIFIC + "\n" + kernel, "90")
+    assert not result.ok and result.cubin == b""
+    assert result.log.startswith("rejected: ptxas would run this kernel degraded")
+    assert "wgmma.mma_async instructions are serialized" in result.log
+    assert compile_source(ARCH_SPECIFIC + "\n" + _TWO_WGMMA.replace("MIDDLE", ""), "90").ok
+
+
+_TWO_WGMMA = r"""
+extern "C" __global__ void __launch_bounds__(128, 1) serialised(float* out, unsigned long long da, unsigned long long db) {
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, 1, 1, 1, 0, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db));
+  MIDDLE
+  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, 1, 1, 1, 0, 0;"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  out[threadIdx.x] = d[0] + d[1] + d[2] + d[3];
+}
+"""
+
+
 def test_a_kernel_whose_setmaxnreg_ptxas_ignores_is_rejected():
     """Without a minimum block count in __launch_bounds__, ptxas ignores setmaxnreg (C7508) and the
     consumer warpgroups would run on a third of their registers: that variant fails to compile."""
