@@ -11,8 +11,13 @@ run reads them from L2). TFLOP/s counts 4*B*H*N*N*D, halved for causal. --sweep 
 valid variant of the search space instead (verifying the fastest few) to see the whole landscape;
 --seeds K times the default and its first K seeds (those matching --match NAME=VALUE,...), each
 verified, beside cuDNN timed before and after them on the same tensors: an ablation in one run.
+--ablate TABLE.json takes the variants a tuned run wrote (its rows, filtered by --shapes, --dtypes
+and --causal where given) and times each beside itself with one technique it uses removed at a
+time (ABLATIONS), and beside the mma kernel's default (no wgmma, TMA or producer warpgroup), the
+same way: what each technique is worth on that row.
 
     python benchmarks/attention.py --seeds 12 --shapes 8,32,2048,128 --dtypes bfloat16 --causal yes
+    python benchmarks/attention.py --ablate attention_tuned_bf16.json --shapes "16,16,512,64" --out ablation.json
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from autosoft.runners import GpuRunner  # noqa: E402
 from autosoft.compile import compile_source  # noqa: E402
 from autosoft.evaluate import poisoned, verify  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
-from autosoft.families.base import Problem, build_variant, space_of  # noqa: E402
+from autosoft.families.base import Problem, Target, build_variant, space_of  # noqa: E402
 from autosoft.runtime import LoadedVariant, device_info  # noqa: E402
 from autosoft.timing import rotation_count, time_gpu  # noqa: E402
 from autosoft.tune import tuned_kernel  # noqa: E402
@@ -51,6 +56,19 @@ DTYPES = ("float16", "bfloat16")
 BACKENDS = ("flash", "efficient", "cudnn", "default")
 
 FAMILY = get_family("attention")
+
+# What --ablate removes, one at a time, from a tuned wgmma variant that uses it: the parameter
+# values that remove it (a schedule that needs the removed one goes with it: chain needs the
+# overlap and persistent blocks, a queue needs persistent blocks)
+ABLATIONS: tuple[tuple[str, dict], ...] = (
+    ("no overlap", {"overlap": False, "chain": False}),
+    ("no ping-pong", {"pingpong": False}),
+    ("no chain", {"chain": False}),
+    ("not persistent", {"persistent": False, "queue": False, "chain": False}),
+    ("no queue", {"queue": False}),
+    ("not longest first", {"lpt": False}),
+    ("one block per SM", {"blocks_per_sm": 1}),
+)
 
 
 def autosoft_variant(problem: Problem, cache: Cache | None, trials: int, seed: int) -> tuple[LoadedVariant, str]:
@@ -194,6 +212,22 @@ def sweep_one(problem: Problem, reps: int, verify_top: int = 3) -> dict:
             "default": default, "variants": sorted(timed, key=lambda t: t.get("us", math.inf))}
 
 
+def ablation_points(problem: Problem, params: dict, target: Target) -> list[tuple[str, dict]]:
+    """params labelled "tuned", then for a wgmma variant each ABLATIONS entry whose technique it
+    uses (its first parameter differs from the removed value) and whose removal is a valid point,
+    then the mma kernel's default (the one it takes where sm_90a's instructions are not there)."""
+    points = [("tuned", dict(params))]
+    if params.get("engine") != "wgmma":
+        return points
+    for label, removed in ABLATIONS:
+        name, value = next(iter(removed.items()))
+        point = {**params, **removed}
+        if params.get(name) != value and FAMILY.is_valid(problem, target, point):
+            points.append((label, point))
+    points.append(("mma kernel (default)", FAMILY.default_params(problem, Target.for_arch("80"))))
+    return points
+
+
 def seeds_one(torch, problem: Problem, count: int, reps: int, match: str = "") -> dict:
     """The default and the first `count` seeds (matching `match`), each verified, timed on one
     rotated set of torch tensors between two timings of cuDNN."""
@@ -201,16 +235,24 @@ def seeds_one(torch, problem: Problem, count: int, reps: int, match: str = "") -
     want = dict(item.split("=", 1) for item in filter(None, match.split(",")))
     seeds = [p for p in FAMILY.seed_params(problem, target)
              if all(str(p.get(name)).lower() == value.lower() for name, value in want.items())]
-    variants = [build_variant(FAMILY, problem, p, target)
-                for p in [FAMILY.default_params(problem, target), *seeds[:count]]]
+    points = [("default", FAMILY.default_params(problem, target))]
+    points += [(f"seed {i + 1}", p) for i, p in enumerate(seeds[:count])]
+    return side_by_side(torch, problem, points, reps)
+
+
+def side_by_side(torch, problem: Problem, points: list[tuple[str, dict]], reps: int) -> dict:
+    """Each labelled point's variant verified and timed on one rotated set of torch tensors,
+    between two timings of cuDNN."""
+    target = device_info().target
+    variants = [build_variant(FAMILY, problem, p, target) for _, p in points]
     with cf.ThreadPoolExecutor(max_workers=16) as pool:  # NVRTC releases the GIL while it compiles
         built = list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
     inputs = Inputs(torch, problem)
     causal = "causal" in problem.flags
     cudnn = [time_sdpa(torch, inputs, causal, "cudnn", reps)["us"]]
     timed = []
-    for variant, result in zip(variants, built):
-        row: dict = {"variant": variant.name, "params": dict(variant.params)}
+    for (label, _), variant, result in zip(points, variants, built):
+        row: dict = {"label": label, "variant": variant.name, "params": dict(variant.params)}
         if not result.ok:
             row["error"] = "compile_fail: " + " ".join(result.log.split())[:200]
         else:
@@ -227,6 +269,23 @@ def seeds_one(torch, problem: Problem, count: int, reps: int, match: str = "") -
             "cudnn_us": cudnn, "variants": timed}
 
 
+def tuned_rows(paths: str, shapes: str, dtypes: str, causal: str) -> list[tuple[Problem, dict]]:
+    """(problem, tuned params) of every verified row of the tuned runs' JSON files (comma-separated
+    paths), keeping those of the given shapes ("B,H,N,D;..."; empty: all), dtypes and masks."""
+    keep_shapes = {tuple(FAMILY.parse_shape(s)) for s in shapes.split(";")} if shapes else None
+    out = []
+    for path in paths.split(","):
+        for row in json.loads(Path(path).read_text())["rows"]:
+            shape = tuple(int(x) for x in row["shape"].split("x"))
+            masks = {"both": (False, True), "no": (False,), "yes": (True,)}[causal]
+            if ("params" not in row or not row.get("verified") or row["dtype"] not in dtypes.split(",")
+                    or row["causal"] not in masks or (keep_shapes is not None and shape not in keep_shapes)):
+                continue
+            problem = FAMILY.problem(",".join(map(str, shape)), row["dtype"], ("causal",) if row["causal"] else ())
+            out.append((problem, row["params"]))
+    return out
+
+
 def print_seeds(result: dict) -> None:
     for s in result["seeds"]:
         cudnn = min((t for t in s["cudnn_us"] if t), default=None)
@@ -234,11 +293,11 @@ def print_seeds(result: dict) -> None:
         print(head + (f": cuDNN {cudnn:.1f} us (runs {', '.join(_fmt(t) for t in s['cudnn_us'])})" if cudnn else ""))
         for v in s["variants"]:
             if "us" not in v:
-                print(f"  {v['variant']} {v['error']}")
+                print(f"  {v['label']} {v['variant']} {v['error']}")
                 continue
             ratio = f"{cudnn / v['us']:.3f}x cuDNN" if cudnn else ""
             mark = "" if v["verified"] else f" WRONG {v['verify_error']}"
-            print(f"  {v['us']:10.1f} us {v['tflops']:7.1f} TF/s {ratio}  {v['variant']}{mark}")
+            print(f"  {v['us']:10.1f} us {v['tflops']:7.1f} TF/s {ratio}  {v['label']:20} {v['variant']}{mark}")
 
 
 def main() -> int:
@@ -252,6 +311,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=0, metavar="K",
                         help="time the default and its first K seeds instead, beside cuDNN (needs torch)")
     parser.add_argument("--match", default="", help="with --seeds: only seeds with these NAME=VALUE,... values")
+    parser.add_argument("--ablate", default="", metavar="TABLE.json[,...]",
+                        help="time each tuned row of these runs' JSON beside itself with one technique removed "
+                             "at a time, and beside cuDNN (needs torch)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--dtypes", default=",".join(DTYPES))
@@ -281,6 +343,18 @@ def main() -> int:
         torch = None
         print("torch is not importable: timing autosoft alone", file=sys.stderr)
     result["torch"] = getattr(torch, "__version__", None)
+    if args.ablate:
+        if torch is None:
+            print("--ablate times cuDNN beside the variants: it needs torch", file=sys.stderr)
+            return 2
+        result["seeds"] = []
+        target = device_info().target
+        for problem, params in tuned_rows(args.ablate, args.shapes, args.dtypes, args.causal):
+            points = ablation_points(problem, params, target)
+            result["seeds"].append(side_by_side(torch, problem, points, args.reps))
+            args.out.write_text(json.dumps(result, indent=1))
+        print_seeds(result)
+        return 0
     if args.seeds:
         if torch is None:
             print("--seeds times cuDNN beside the variants: it needs torch", file=sys.stderr)
