@@ -497,6 +497,27 @@ def test_a_sample_of_wgmma_variants_compiles_for_sm90a_without_degrading_warning
         assert result.ok, result.log[:2000]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_two_key_tiles_without_a_mask_keep_the_wgmma_pipelined(dtype):
+    """With two key tiles and no mask ptxas laid the key loop out straight and, for 128 rows of
+    128-key tiles without ping-pong (a seed of 1x2x256x128), ran short of registers and
+    serialised the wgmma (C7512), which compile_source rejects: the GPU tier's sampled variants
+    failed on it. The template hides the tile count from ptxas there."""
+    problem = FAMILY.problem("1,2,256,128", dtype, {})
+    target = Target.for_arch("90")
+    params = {**FAMILY.default_params(problem, target), "block_m": 128, "block_n": 128, "pingpong": False,
+              "chain": False, "persistent": True, "overlap": True}
+    assert FAMILY.is_valid(problem, target, params)
+    variant = build_variant(FAMILY, problem, params, target)
+    assert variant.name.endswith("d128_wgmma_m128_n128_s2_ov_pers"), variant.name
+    result = compile_source(variant.source, "90")
+    assert result.ok, result.log[:2000]
+    assert "asm(\"\" : \"+r\"(n_tiles));" in variant.source
+    # longer problems render the loop as before: the tile count stays a constant there
+    longer = build_variant(FAMILY, FAMILY.problem("1,2,384,128", dtype, {}), params, target)
+    assert "(n_tiles));" not in longer.source
+
+
 def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_decoding():
     sm90, sm80 = Target.for_arch("90"), Target.for_arch("80")
     prefill = FAMILY.problem("4,16,4096,128", "bfloat16", ("causal",))
