@@ -1,7 +1,7 @@
 # what the exponentials cost: today's template (old), no exponential at all (noexp, wrong results,
+# timing only), and a quarter (emul4) or half (emul2) of them on the FMA pipe by a cubic
 # .bench/NAME_wgmma.cu.j2: templates/attention/attention_wgmma.cu.j2 at af4968e with NAME.patch applied
 # (half_pv.patch for halfpv: ../issue18_half_tile_3365f00/); .bench/old_wgmma.cu.j2: the template as it was
-# timing only), and a quarter (emul4) or half (emul2) of them on the FMA pipe by a cubic
 source .bench/common.sh  # the wheels the GPU machine lacks (optuna), the repo on PYTHONPATH
 SH="16,16,512,64;4,16,1024,64;4,16,4096,64;4,16,4096,128"
 RUNS="old1 noexp1 emul41 emul21 old2 emul42 emul22"
