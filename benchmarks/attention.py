@@ -273,11 +273,11 @@ def tuned_rows(paths: str, shapes: str, dtypes: str, causal: str) -> list[tuple[
     """(problem, tuned params) of every verified row of the tuned runs' JSON files (comma-separated
     paths), keeping those of the given shapes ("B,H,N,D;..."; empty: all), dtypes and masks."""
     keep_shapes = {tuple(FAMILY.parse_shape(s)) for s in shapes.split(";")} if shapes else None
+    masks = {"both": (False, True), "no": (False,), "yes": (True,)}[causal]
     out = []
     for path in paths.split(","):
         for row in json.loads(Path(path).read_text())["rows"]:
             shape = tuple(int(x) for x in row["shape"].split("x"))
-            masks = {"both": (False, True), "no": (False,), "yes": (True,)}[causal]
             if ("params" not in row or not row.get("verified") or row["dtype"] not in dtypes.split(",")
                     or row["causal"] not in masks or (keep_shapes is not None and shape not in keep_shapes)):
                 continue
