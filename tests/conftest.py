@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 from functools import lru_cache
@@ -24,13 +25,41 @@ def gpu_available() -> bool:
         return False
 
 
+def in_parallel_worker() -> bool:
+    """Whether this process is one of pytest-xdist's workers (`pytest -n N`)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
 def pytest_collection_modifyitems(config, items):
-    if gpu_available():
+    if in_parallel_worker():
+        # a speed compared while other workers load the same GPU says nothing about the kernel
+        alone = pytest.mark.skip(reason="a timing test: run it alone, `python -m pytest -m timing`")
+        for item in items:
+            if "timing" in item.keywords:
+                item.add_marker(alone)
+    if not gpu_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_returned(request):
+    """In a parallel worker, a GPU test hands its pooled device memory back when it ends: eight
+    workers' CuPy and torch pools holding what their largest test needed fill the card, and a
+    small allocation of another worker's test then fails."""
+    yield
+    if not (in_parallel_worker() and "gpu" in request.keywords and gpu_available()):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    from autosoft.runtime import cupy_module
+
+    cp = cupy_module()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+    torch = __import__("sys").modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture

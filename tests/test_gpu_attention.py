@@ -191,6 +191,7 @@ def test_matches_torch_sdpa(shape, dtype, causal):
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.timing
 def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     from autosoft.tune import tune
 

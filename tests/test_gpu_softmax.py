@@ -242,6 +242,7 @@ def test_misaligned_rows_and_base_pointer():
     assert float(cp.abs(y.astype(cp.float64) - ref).max()) < 2e-3
 
 
+@pytest.mark.timing
 def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     from autosoft.tune import tune
 

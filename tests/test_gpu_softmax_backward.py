@@ -211,6 +211,7 @@ def test_a_cooperative_split_waits_for_its_row_launch_after_launch():
     assert arrivals.tolist() == [5 * 32] * 4
 
 
+@pytest.mark.timing
 def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     from autosoft.tune import tune
 
@@ -228,6 +229,7 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     assert outcome.ok, outcome.message
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 def test_a_tuned_variant_moves_the_bytes_near_copy_speed(log, cache_dir):
     """The family's target: reading y and dy and writing dx once each, at >= 90% of a device copy
