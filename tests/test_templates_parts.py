@@ -177,6 +177,12 @@ def _one_point_per_strategy():
     params = attention.default_params(problem, target)
     assert params["engine"] == "wgmma"
     picks.append((attention, problem, target, params))
+    # the Hopper engine under each tile scheduler the default did not choose
+    schedules = {_wgmma_schedule(params)}
+    for params in space_of(attention).valid_points(attention.problem_values(problem, target)):
+        if params["engine"] == "wgmma" and _wgmma_schedule(params) not in schedules:
+            schedules.add(_wgmma_schedule(params))
+            picks.append((attention, problem, target, params))
     for way in ("fused", "key_major"):
         problem = colsum.problem("1x2x77x64", "float16", {"split": 40})
         target = Target.for_arch("90")
@@ -186,6 +192,11 @@ def _one_point_per_strategy():
         target = Target.for_arch("90")
         picks.append((backward, problem, target, backward.default_params(problem, target)))
     return picks
+
+
+def _wgmma_schedule(params: dict[str, Any]) -> str:
+    """The tile scheduler a wgmma point chooses (templates/attention/wgmma_schedule_*.cuh.j2)."""
+    return "queue" if params["queue"] else "persistent" if params["persistent"] else "single"
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +243,33 @@ def test_softmax_reads_one_include_per_chosen_strategy(strategy_points):
         strategies = sorted(n for n in read if n.startswith(("softmax/storage_", "softmax/combine_")))
         assert strategies == sorted([f"softmax/combine_{params['combine']}.cuh.j2",
                                      f"softmax/storage_{params['storage']}.cuh.j2"])
+
+
+def test_sample_covers_every_wgmma_schedule(strategy_points):
+    schedules = {_wgmma_schedule(p) for f, _, _, p in strategy_points
+                 if f.name == "attention" and p["engine"] == "wgmma"}
+    assert schedules == {"single", "persistent", "queue"}
+
+
+def test_wgmma_reads_one_scheduler_per_chosen_schedule(strategy_points):
+    """A wgmma render reads the scheduler its point chooses and no other; an mma render none."""
+    for family, problem, target, params in strategy_points:
+        if family.name != "attention":
+            continue
+        read = _recorded_loads([(family, problem, target, params)])[family.template]
+        schedulers = sorted(n for n in read if n.startswith("attention/wgmma_schedule_"))
+        want = [f"attention/wgmma_schedule_{_wgmma_schedule(params)}.cuh.j2"] if params["engine"] == "wgmma" else []
+        assert schedulers == want, params
+
+
+def test_both_attention_engines_read_the_variant(strategy_points):
+    """The scores' variant (scale, softcap, masks) is one file that both engines render."""
+    engines = set()
+    for family, problem, target, params in strategy_points:
+        if family.name == "attention":
+            assert "attention/variant.cuh.j2" in _recorded_loads([(family, problem, target, params)])[family.template]
+            engines.add(params["engine"])
+    assert engines == {"mma", "wgmma"}
 
 
 def test_template_digest_is_the_documented_rule():
