@@ -328,6 +328,14 @@ class Family(abc.ABC):
     """The family's kernels, in the order the default prefers them (set by __init__: an engine
     belongs to one family); empty for a family that is its own engine."""
 
+    def engine(self, name: str) -> "Engine":
+        """The engine called `name`; UserError naming the family's engines otherwise."""
+        for engine in self.engines:
+            if engine.name == name:
+                return engine
+        raise UserError(f"{self.name} has no engine {name!r}" + (f"; its engines: {', '.join(e.name for e in self.engines)}"
+                                                                 if self.engines else " (it is one kernel)"))
+
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         """A readable name, unique among the valid points of one problem (FlashInfer style:
         softmax_f16_t256_g256_v8_u1_registers_three_pass_shuffle); a C identifier."""
