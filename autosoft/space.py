@@ -231,6 +231,11 @@ class EngineSpaces:
         return (self.parameter("engine"),) + tuple(
             Parameter(p.name, p.values, f"({engine}) {p.doc}".strip()) for engine, s in self.spaces for p in s.parameters)
 
+    @property
+    def constraints(self) -> tuple[Constraint, ...]:
+        """Every engine's constraints (each holds for its engine's points only)."""
+        return tuple(c for _, s in self.spaces for c in s.constraints)
+
     def parameter(self, name: str) -> Parameter:
         if name == "engine":
             return Parameter("engine", self.engines, "the kernel: " + ", ".join(self.engines))
