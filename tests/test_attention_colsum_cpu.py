@@ -13,6 +13,7 @@ import pytest
 
 import autosoft
 from autosoft.errors import UserError
+import numpy as np
 from autosoft.families import get_family
 from autosoft.families.base import Target, build_variant, space_of
 from helpers import make_entry, nvcc_path, run_cli, softmax_key
@@ -340,3 +341,21 @@ def test_export_writes_both_kernels(tmp_path):
         built = subprocess.run(["nvcc", "-c", "-arch=sm_90", "-o", str(tmp_path / "c.o"), str(out)],
                                capture_output=True, text=True, timeout=300)
         assert built.returncode == 0, built.stderr[-2000:]
+
+
+def test_python_call_says_what_is_wrong_in_the_callers_terms():
+    q = np.zeros((1, 1, 8, 32), dtype=np.float16)
+    with pytest.raises(TypeError, match="autosoft.attention_colsum: split is required"):
+        FAMILY.python_call(q, q, q)
+    with pytest.raises(TypeError, match="scale must be None or a positive number, got str"):
+        FAMILY.python_call(q, q, q, 4, scale="x")
+
+
+def test_colsum_spaces_extend_the_attention_engines_and_add_only_the_pass():
+    from autosoft.families.base import space_of as space
+    attention = space(get_family("attention"))
+    for engine in ("mma", "wgmma"):
+        mine, theirs = space(FAMILY).space(engine), attention.space(engine)
+        assert {"colsum", "km_rows", "km_queries", "km_split"} <= set(mine.names)
+        assert set(mine.names) - {"colsum", "km_rows", "km_queries", "km_split"} <= set(theirs.names)
+        assert {c.why for c in theirs.constraints} <= {c.why for c in mine.constraints}

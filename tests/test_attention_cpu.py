@@ -641,3 +641,22 @@ def test_a_refused_tensor_map_is_an_error_naming_the_array(monkeypatch):
     v = TensorMap("v", (1, 2, 300, 64), (1, 1, 64, 64), "bfloat16")
     with pytest.raises(RuntimeError, match=r"cuTensorMapEncodeTiled refused the map of v .*CUresult 1"):
         runtime.encode_tensor_map(v, 4104, None)
+
+
+@pytest.mark.parametrize("cap", [1e-300, 1e308])
+def test_softcaps_float32_cannot_hold_are_refused(cap):
+    with pytest.raises(UserError, match="float32"):
+        FAMILY.problem("1,2,64,64", "float16", {"softcap": cap})
+    with pytest.raises(ValueError, match="float32"):
+        call_options(False, None, cap)
+
+
+def test_render_with_one_engine_takes_that_engines_default_and_refuses_the_others_parameters():
+    problem = FAMILY.problem("1,32,4096,128", "bfloat16")
+    sm90 = Target.for_arch("90")
+    params, given = params_from_text(FAMILY, problem, sm90, ["engine=mma"])
+    assert params == _mma_default(problem, sm90) and given == {"engine"}
+    with pytest.raises(UserError, match="mma engine, not of wgmma"):
+        params_from_text(FAMILY, problem, sm90, ["engine=wgmma", "warps=4"])
+    with pytest.raises(UserError, match="given twice"):
+        params_from_text(FAMILY, problem, sm90, ["stages=2", "stages=3"])
