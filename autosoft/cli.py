@@ -17,7 +17,7 @@ from . import __version__
 from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import families, get_family
-from .families.base import Family, Problem, Target, build_variant, option_flag, space_of
+from .families.base import Family, Problem, Target, build_variant, option_flag, params_from_text, point_space, space_of
 from .worker import Watchdog
 
 
@@ -563,15 +563,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise UserError(f"--arch {args.arch}: {family.name} kernels are built for "
                         f"{', '.join('sm_' + a for a in family.archs)}; choose one of {', '.join(family.archs)}")
     target = Target.for_arch(args.arch)
-    space = space_of(family)
-    params = family.default_params(problem, target)
-    given: set[str] = set()
-    for item in args.param:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise UserError(f"--param {item!r}: expected NAME=VALUE, e.g. --param vec=4")
-        params[name.strip()] = space.parse_value(name.strip(), value)
-        given.add(name.strip())
+    params, given = params_from_text(family, problem, target, args.param)
     try:
         variant = build_variant(family, problem, params, target)
     except UserError as exc:
@@ -583,8 +575,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def _defaults_in_play(family: Family, problem: Problem, target: Target, params: dict, given: set[str]) -> str:
     """For a point that breaks a constraint: the default values (not set by --param) that the
     first broken constraint depends on, so the user sees what their --param conflicts with."""
-    space = space_of(family)
-    values = space.evaluate(space.check_values(params), family.problem_values(problem, target))
+    space, params = point_space(family, space_of(family).check_values(params))
+    values = space.evaluate(params, family.problem_values(problem, target))
     depends = space._parameter_dependencies()
     for c in space.constraints:
         if not c.expression.evaluate(values):

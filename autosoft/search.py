@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import uuid
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -46,18 +47,36 @@ class Search:
         if not valid:
             raise ValueError("the search space has no valid point for this problem")
         self.space = space
-        self._names = space.names
+        # one group of parameters per engine (a family with engines); one unnamed group otherwise
+        self._groups: dict[str | None, SearchSpace] = dict(getattr(space, "spaces", None) or [(None, space)])
+        self._multi = None not in self._groups
         self._valid = [dict(v) for v in valid]
-        # each valid point as the index of its value in every parameter's domain
-        self._index = np.array([[space.parameter(n).values.index(v[n]) for n in self._names] for v in valid])
-        self._scale = np.array([max(1, len(space.parameter(n).values) - 1) for n in self._names], dtype=float)
         self._row = {self._key(v): i for i, v in enumerate(self._valid)}
         self._tried = np.zeros(len(valid), dtype=bool)
-        self._distributions = {n: CategoricalDistribution(list(space.parameter(n).values)) for n in self._names}
+        # each engine's valid points, as the index of their value in every parameter's domain
+        self._rows: dict[str | None, np.ndarray] = {}
+        self._index: dict[str | None, np.ndarray] = {}
+        self._scale: dict[str | None, np.ndarray] = {}
+        for engine, group in self._groups.items():
+            rows = [i for i, v in enumerate(self._valid) if self._engine(v) == engine]
+            self._rows[engine] = np.array(rows, dtype=int)
+            self._index[engine] = np.array([[group.parameter(n).values.index(self._valid[i][n]) for n in group.names]
+                                            for i in rows]).reshape(len(rows), len(group.names))
+            self._scale[engine] = np.array([max(1, len(group.parameter(n).values) - 1) for n in group.names], dtype=float)
+        # Optuna's names: a family with engines qualifies each parameter by its engine ("mma.block_m"),
+        # so that two engines' parameters of one name but other values never meet in one distribution
+        self._distributions = {engine: {**({"engine": CategoricalDistribution(list(self._groups))} if self._multi else {}),
+                                        **{self._optuna_name(engine, n): CategoricalDistribution(list(group.parameter(n).values))
+                                           for n in group.names}}
+                               for engine, group in self._groups.items()}
         self.worker = worker or uuid.uuid4().hex
         self._is_live = is_live or (lambda other: False)
         self._storage = optuna.storages.get_storage(storage)
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup, multivariate=True)
+        # with engines the space is conditional (each engine's parameters): TPE's groups model each
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # `group`: experimental
+            sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup, multivariate=True,
+                                                 **({"group": True} if self._multi else {}))
         self.study = optuna.create_study(direction="minimize", sampler=sampler, storage=self._storage,
                                          study_name=study_name, load_if_exists=storage is not None)
         self._study_id = self._storage.get_study_id_from_name(self.study.study_name)
@@ -69,8 +88,30 @@ class Search:
         self.reaped = 0  # dead workers' trials this search took up again
         self.refresh()
 
+    def _engine(self, params: Mapping[str, Any]) -> str | None:
+        return params.get("engine") if self._multi else None
+
     def _key(self, params: Mapping[str, Any]) -> tuple:
-        return tuple(params.get(n) for n in self._names)
+        engine = self._engine(params)
+        group = self._groups.get(engine)
+        if group is None:
+            return (engine,)
+        values = tuple(params.get(n) for n in group.names)
+        return (engine, *values) if self._multi else values
+
+    @staticmethod
+    def _optuna_name(engine: str | None, name: str) -> str:
+        return name if engine is None else f"{engine}.{name}"
+
+    def _optuna_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """A point as its trial records it: with engines, the engine and its qualified parameters."""
+        engine = self._engine(params)
+        names = self._groups[engine].names
+        return {**({"engine": engine} if self._multi else {}), **{self._optuna_name(engine, n): params[n] for n in names}}
+
+    def plain(self, trial_params: Mapping[str, Any]) -> dict[str, Any]:
+        """A trial's params as a point (the inverse of the qualified names)."""
+        return plain_params(trial_params)
 
     @property
     def exhausted(self) -> bool:
@@ -85,7 +126,7 @@ class Search:
             kind = _point_state(t)
             if kind is None:
                 continue  # a sampler suggestion (pruned) or a withdrawn claim
-            row = self._row.get(self._key(t.params)) if t.params else None
+            row = self._row.get(self._key(self.plain(t.params))) if t.params else None
             if row is not None:
                 self._tried[row] = True  # finished, running or reaped: not proposed again
             if kind == "running":
@@ -106,8 +147,8 @@ class Search:
             self._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         except UpdateFinishedTrialError:
             return False  # finished meanwhile, or another worker reaped it first
-        if self._key(t.params) in self._row:
-            self._retries.append((dict(t.params), t.number))
+        if self._key(self.plain(t.params)) in self._row:
+            self._retries.append((self.plain(t.params), t.number))
         self.reaped += 1
         return True
 
@@ -141,11 +182,14 @@ class Search:
             else:
                 if self._tried.all():
                     return None
-                trial = self.study.ask(self._distributions)
-                wanted = np.array([self.space.parameter(n).values.index(trial.params[n]) for n in self._names])
-                distance = (np.abs(self._index - wanted) / self._scale).sum(axis=1)
-                distance[self._tried] = np.inf
-                row = int(np.argmin(distance))
+                trial, engine, wanted = self._suggest()
+                rows = self._rows[engine]
+                if len(rows) and not self._tried[rows].all():
+                    distance = (np.abs(self._index[engine] - wanted) / self._scale[engine]).sum(axis=1)
+                    distance[self._tried[rows]] = np.inf
+                    row = int(rows[int(np.argmin(distance))])
+                else:  # every point of the suggested engine is tried: the first untried of another
+                    row = int(np.argmin(self._tried))
                 self.study.tell(trial, state=TrialState.PRUNED)
                 seeded = False
             params = dict(self._valid[row])  # the declared values, not the caller's
@@ -155,6 +199,21 @@ class Search:
             if claimed:
                 return Proposal(params, seeded)
             # another worker claimed this point since the refresh: it is tried; choose again
+
+    def _suggest(self) -> tuple[Any, str | None, np.ndarray]:
+        """A sampler suggestion: the trial, its engine and its values' indices in their domains.
+        With engines the trial chooses the engine first, then that engine's parameters."""
+        if not self._multi:
+            group = self._groups[None]
+            trial = self.study.ask(self._distributions[None])
+            return trial, None, np.array([group.parameter(n).values.index(trial.params[n]) for n in group.names])
+        trial = self.study.ask()
+        engine = trial.suggest_categorical("engine", list(self._groups))
+        group = self._groups[engine]
+        wanted = [group.parameter(n).values.index(trial.suggest_categorical(self._optuna_name(engine, n),
+                                                                            list(group.parameter(n).values)))
+                  for n in group.names]
+        return trial, engine, np.array(wanted)
 
     def claim(self, params: Mapping[str, ParamValue]) -> None:
         """Claim a point measured outside ask() (the default, first): not proposed again, and
@@ -177,13 +236,14 @@ class Search:
         if retry_of is not None:
             attrs["retry_of"] = retry_of
         trial_id = self._storage.create_new_trial(self._study_id, template_trial=optuna.trial.create_trial(
-            params=params, distributions=self._distributions, state=TrialState.RUNNING, user_attrs=attrs))
+            params=self._optuna_params(params), distributions=self._distributions[self._engine(params)],
+            state=TrialState.RUNNING, user_attrs=attrs))
         if first:
             number = self._storage.get_trial_number_from_id(trial_id)
             earlier: set[tuple] = set()  # the points claimed or measured before this claim
             for t in self._storage.get_all_trials(self._study_id, deepcopy=False):
                 if t.number < number and t.params and _point_state(t) in ("measured", "running"):
-                    earlier.add(self._key(t.params))
+                    earlier.add(self._key(self.plain(t.params)))
             if key in earlier:
                 self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
                 return False
@@ -239,8 +299,22 @@ class Search:
         for t in self._storage.get_all_trials(self._study_id, deepcopy=False,
                                               states=(TrialState.COMPLETE, TrialState.FAIL)):
             if _point_state(t) == "measured":
-                out.append((dict(t.params), t.value, str(t.user_attrs.get("status", ""))))
+                out.append((self.plain(t.params), t.value, str(t.user_attrs.get("status", ""))))
         return out
+
+
+def plain_params(trial_params: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's params as the point they record: a family with engines names its parameters in
+    Optuna qualified by the engine ("mma.block_m"); the point holds "engine" and the bare names."""
+    engine = trial_params.get("engine")
+    out: dict[str, Any] = {}
+    for name, value in trial_params.items():
+        prefix, dot, bare = name.partition(".")
+        if not dot:
+            out.setdefault(name, value)
+        elif prefix == engine:
+            out[bare] = value
+    return out
 
 
 def _point_state(t: FrozenTrial) -> str | None:

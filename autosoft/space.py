@@ -136,6 +136,16 @@ class SearchSpace:
         names = self.evaluate(params, problem)
         return [c.why for c in self.constraints if not c.expression.evaluate(names)]
 
+    def problem_violations(self, problem: Mapping[str, Any]) -> list[str]:
+        """The reasons no point can be valid for this problem: the constraints on problem values
+        alone (through derived names that use no parameter) that fail."""
+        depends = self._parameter_dependencies()
+        names: dict[str, Any] = dict(problem)
+        for name, expr in self.derived:
+            if not depends(expr):
+                names[name] = expr.evaluate(names)
+        return [c.why for c in self.constraints if not depends(c.expression) and not c.expression.evaluate(names)]
+
     def valid_points(self, problem: Mapping[str, Any]) -> list[dict[str, ParamValue]]:
         """Every valid variant for a problem, by depth-first search over the parameters in
         declaration order, checking each constraint as soon as the parameters it uses are set."""
@@ -192,15 +202,118 @@ class SearchSpace:
         raise UserError(f"{self.family}: {name}={text!r} is not allowed; choose one of {allowed}")
 
 
-def parse_space(text: str, where: str) -> SearchSpace:
+@dataclass(frozen=True)
+class EngineSpaces:
+    """The search space of a family with several kernels (engines): each engine's own space. A
+    point names its engine as params["engine"] and holds that engine's parameters only, so no
+    constraint of one engine ever names another, and two engines may declare one name with
+    different values. Offers what callers use of a SearchSpace (check_values, evaluate,
+    violations, valid_points, names, parameters, digest) for such points."""
+    family: str
+    spaces: tuple[tuple[str, SearchSpace], ...]
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.spaces)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256("\0".join(f"{n}\0{s.digest}" for n, s in self.spaces).encode()).hexdigest()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """"engine", then every engine's parameter names, each once."""
+        return tuple(dict.fromkeys(["engine", *(n for _, s in self.spaces for n in s.names)]))
+
+    @property
+    def parameters(self) -> tuple[Parameter, ...]:
+        """The engine, then each engine's parameters, their doc saying whose they are."""
+        return (self.parameter("engine"),) + tuple(
+            Parameter(p.name, p.values, f"({engine}) {p.doc}".strip()) for engine, s in self.spaces for p in s.parameters)
+
+    @property
+    def constraints(self) -> tuple[Constraint, ...]:
+        """Every engine's constraints (each holds for its engine's points only)."""
+        return tuple(c for _, s in self.spaces for c in s.constraints)
+
+    def parameter(self, name: str) -> Parameter:
+        if name == "engine":
+            return Parameter("engine", self.engines, "the kernel: " + ", ".join(self.engines))
+        for _, space in self.spaces:
+            if name in space.names:
+                return space.parameter(name)
+        raise UserError(f"unknown parameter {name!r} for {self.family}; known: {', '.join(self.names)}")
+
+    def engine(self, value: Any) -> str:
+        """The declared engine name equal to `value`; UserError naming the engines otherwise."""
+        for name in self.engines:
+            if type(value) is str and name == value:
+                return name
+        raise UserError(f"{self.family}: engine={value!r} is not allowed; choose one of {', '.join(self.engines)}")
+
+    def space(self, engine: Any) -> SearchSpace:
+        """The space of the engine named `engine`."""
+        return dict(self.spaces)[self.engine(engine)]
+
+    def owners(self, name: str) -> tuple[str, ...]:
+        """The engines that declare parameter `name`."""
+        return tuple(engine for engine, space in self.spaces if name in space.names)
+
+    def split(self, params: Mapping[str, Any]) -> tuple[str, SearchSpace, dict[str, Any]]:
+        """(engine, its space, the params without "engine"); UserError when no engine is named."""
+        if "engine" not in params:
+            raise UserError(f"{self.family}: missing parameter engine (one of {', '.join(self.engines)})")
+        engine = self.engine(params["engine"])
+        return engine, self.space(engine), {n: v for n, v in params.items() if n != "engine"}
+
+    def check_values(self, params: Mapping[str, Any]) -> dict[str, ParamValue]:
+        """The engine's checked point (its own parameters, and "engine"), as SearchSpace.check_values.
+        A parameter only other engines declare is dropped: it never reaches this engine's template,
+        and points stored when every point held every engine's parameters still build."""
+        engine, space, rest = self.split(params)
+        unknown = [n for n in rest if not self.owners(n)]
+        if unknown:
+            space.parameter(unknown[0])  # raises, naming the known ones
+        return {"engine": engine, **space.check_values({n: v for n, v in rest.items() if n in space.names})}
+
+    def evaluate(self, params: Mapping[str, ParamValue], problem: Mapping[str, Any]) -> dict[str, Any]:
+        """The engine's values, with "engine" (its name) among them."""
+        engine, space, own = self.split(params)
+        return {**space.evaluate({n: v for n, v in own.items() if n in space.names}, problem), "engine": engine}
+
+    def violations(self, params: Mapping[str, ParamValue], problem: Mapping[str, Any]) -> list[str]:
+        _, space, own = self.split(params)
+        return space.violations({n: v for n, v in own.items() if n in space.names}, problem)
+
+    def valid_points(self, problem: Mapping[str, Any]) -> list[dict[str, ParamValue]]:
+        """Every engine's valid points, engine by engine."""
+        return [{"engine": engine, **p} for engine, space in self.spaces for p in space.valid_points(problem)]
+
+    def parse_value(self, name: str, text: str, engine: str | None = None) -> ParamValue:
+        """A command-line string as the declared value it names, of `engine`'s parameter (of the
+        engines' choice for name "engine")."""
+        if name == "engine":
+            for e in self.engines:
+                if e == text.strip().lower():
+                    return e
+            raise UserError(f"{self.family}: engine={text!r} is not allowed; choose one of {', '.join(self.engines)}")
+        return self.space(engine if engine is not None else self.owners(name)[0] if self.owners(name)
+                          else self.engines[0]).parse_value(name, text)
+
+
+def _read_yaml(text: str, where: str) -> dict:
     try:
         data = yaml.load(text, Loader=_YAML_LOADER)
     except yaml.YAMLError as exc:
         raise UserError(f"{where}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("parameters"), dict):
+    if not isinstance(data, dict):
         raise UserError(f"{where}: needs a 'family' and a 'parameters' mapping")
+    return data
+
+
+def _parameters(data: dict, where: str) -> list[Parameter]:
     params = []
-    for name, spec in data["parameters"].items():
+    for name, spec in (data.get("parameters") or {}).items():
         if not isinstance(spec, dict) or not isinstance(spec.get("values"), list) or not spec["values"]:
             raise UserError(f"{where}: parameter {name!r} needs a non-empty 'values' list")
         for v in spec["values"]:
@@ -209,20 +322,97 @@ def parse_space(text: str, where: str) -> SearchSpace:
             if isinstance(v, str) and not v.isidentifier():
                 raise UserError(f"{where}: parameter {name!r} value {v!r} must be an identifier")
         params.append(Parameter(str(name), tuple(spec["values"]), str(spec.get("doc", ""))))
-    derived = tuple(
-        (str(name), compile_expression(expr, f"{where}: derived {name}"))
-        for name, expr in (data.get("derived") or {}).items()
-    )
-    constraints = []
+    return params
+
+
+def _build(data: dict, where: str, bases: tuple[SearchSpace, ...], digest: str) -> SearchSpace:
+    """The space a file describes on top of the spaces it extends (none for a plain file):
+    theirs, then its own parameters (a name a base declares takes the new values, and the
+    base's doc where it gives none), `fixed` (a base's parameters held at one value: constants of
+    the expressions, absent from the points), derived names (a name a base derives is replaced)
+    and constraints (added to the bases')."""
+    if not bases and not isinstance(data.get("parameters"), dict):
+        raise UserError(f"{where}: needs a 'family' and a 'parameters' mapping")
+    params: dict[str, Parameter] = {}
+    derived: dict[str, Expression] = {}
+    constraints: list[Constraint] = []
+    for base in bases:
+        params.update({p.name: p for p in base.parameters})
+        derived.update(dict(base.derived))
+        constraints += base.constraints
+    for p in _parameters(data, where):
+        params[p.name] = Parameter(p.name, p.values, p.doc or (params[p.name].doc if p.name in params else ""))
+    fixed = data.get("fixed") or {}
+    if not isinstance(fixed, dict):
+        raise UserError(f"{where}: 'fixed' must map parameters to one value each")
+    constants: dict[str, Expression] = {}
+    for name, value in fixed.items():
+        if name not in params or value not in params[name].values:
+            raise UserError(f"{where}: fixed {name}={value!r} is not a value of a parameter it extends")
+        del params[name]
+        constants[str(name)] = compile_expression(repr(value), f"{where}: fixed {name}")
+    derived = {**constants, **derived}
+    for name, expr in (data.get("derived") or {}).items():
+        derived[str(name)] = compile_expression(expr, f"{where}: derived {name}")
     for i, item in enumerate(data.get("constraints") or []):
         if not isinstance(item, dict) or "require" not in item:
             raise UserError(f"{where}: constraint {i} needs 'require' (and 'why')")
         expr = compile_expression(item["require"], f"{where}: constraint {i}")
         constraints.append(Constraint(expr, str(item.get("why", item["require"]))))
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    return SearchSpace(str(data.get("family", "")), tuple(params), derived, tuple(constraints), digest)
+    return SearchSpace(str(data.get("family", "")), tuple(params.values()), _in_dependency_order(derived, where),
+                       tuple(constraints), digest)
+
+
+def _in_dependency_order(derived: Mapping[str, Expression], where: str) -> tuple[tuple[str, Expression], ...]:
+    """The derived names, each after the derived names it uses (declaration order otherwise):
+    a file that extends others may derive a name that theirs use."""
+    ordered: dict[str, Expression] = {}
+    visiting: set[str] = set()
+
+    def place(name: str) -> None:
+        if name in ordered:
+            return
+        if name in visiting:
+            raise UserError(f"{where}: derived {name!r} depends on itself")
+        visiting.add(name)
+        for used in sorted(derived[name].names & derived.keys()):
+            place(used)
+        ordered[name] = derived[name]
+
+    for name in derived:
+        place(name)
+    return tuple(ordered.items())
+
+
+def parse_space(text: str, where: str) -> SearchSpace:
+    """A space from one file's text (no `extends`: load_space reads the files it names)."""
+    data = _read_yaml(text, where)
+    if data.get("extends"):
+        raise UserError(f"{where}: 'extends' needs the file's folder; load it with load_space")
+    return _build(data, where, (), hashlib.sha256(text.encode()).hexdigest())
 
 
 def load_space(family: str, path: Path | None = None) -> SearchSpace:
-    path = path or search_space_path(family)
-    return parse_space(path.read_text(), str(path))
+    """The space of search_spaces/<family>.yaml (or `path`), with the files it `extends` (names
+    relative to its folder, a name or a list, later ones on top of earlier ones). Its digest
+    covers every file read."""
+    return _load(path or search_space_path(family), ())
+
+
+def _load(path: Path, seen: tuple[Path, ...]) -> SearchSpace:
+    where = str(path)
+    if path.resolve() in seen:
+        raise UserError(f"{where}: extends itself")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"search space {where}: {exc.strerror or exc}") from None
+    data = _read_yaml(text, where)
+    names = data.get("extends") or []
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{where}: 'extends' must name a file or list files")
+    bases = tuple(_load(path.parent / name, (*seen, path.resolve())) for name in names)
+    digest = hashlib.sha256("\0".join([*(b.digest for b in bases), text]).encode()).hexdigest() if bases \
+        else hashlib.sha256(text.encode()).hexdigest()
+    return _build(data, where, bases, digest)

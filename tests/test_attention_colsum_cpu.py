@@ -13,11 +13,17 @@ import pytest
 
 import autosoft
 from autosoft.errors import UserError
+import numpy as np
 from autosoft.families import get_family
 from autosoft.families.base import Target, build_variant, space_of
 from helpers import make_entry, nvcc_path, run_cli, softmax_key
 
 FAMILY = get_family("attention_colsum")
+
+def _mma_default(problem, target):
+    """The mma engine's own default, as a point of the family."""
+    return {"engine": "mma", **FAMILY.engine("mma").default_params(problem, target)}
+
 ATTENTION = get_family("attention")
 TARGET = Target.for_arch("90")
 
@@ -81,7 +87,7 @@ def test_deterministic_problems_have_only_key_major_variants():
     assert {p["colsum"] for p in space_of(FAMILY).valid_points(FAMILY.problem_values(free, TARGET))} == \
         {"key_major", "fused"}
     with pytest.raises(UserError, match="only the key-major pass sums in a fixed order"):
-        build_variant(FAMILY, det, {**FAMILY._mma_default(det, TARGET), "colsum": "fused"}, TARGET)
+        build_variant(FAMILY, det, {**_mma_default(det, TARGET), "colsum": "fused"}, TARGET)
 
 
 def test_the_default_shares_query_tiles_among_blocks_until_the_gpu_is_full():
@@ -96,7 +102,8 @@ def test_split_key_major_launches_use_the_workspace_they_declare():
     params = {**FAMILY.default_params(problem, TARGET), "km_split": 4}
     variant = build_variant(FAMILY, problem, params, TARGET)
     _, key_major = variant.launches
-    keys = int(params["warps"]) * int(params["km_rows"])
+    keys = int(params.get("warps", 4))  # the wgmma pass: 4 warps (its space fixes them)
+    keys = keys * int(params["km_rows"])
     assert key_major.grid == (4 * -(-600 // keys), 3, 2) and key_major.args[-1] == "workspace"
     assert variant.workspace_bytes == 4 * 2 * 3 * -(-600 // keys) * (4 * keys + 1)
     assert "arrived[tile] = 0u" in variant.source, "the counters are left at zero for the next launch"
@@ -121,7 +128,7 @@ def test_the_attention_main_loop_is_the_attention_familys(way):
     """The column sums extend the attention kernel through its template blocks: its main loop
     renders to the very text the attention family's does, for the same tiles."""
     problem = _problem("1,8,3333,128", 1000, causal=True)
-    params = {**FAMILY._mma_default(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, "km_split": 1}
+    params = {**_mma_default(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64, "km_split": 1}
     colsum = build_variant(FAMILY, problem, params, TARGET).source
     attention_problem = ATTENTION.problem("1,8,3333,128", "bfloat16", ("causal",))
     attention = build_variant(ATTENTION, attention_problem, {"pack": False, "splits": 1, "key_warps": 1, "engine": "mma",
@@ -166,10 +173,11 @@ def test_wgmma_pairs_are_the_hopper_default_and_never_take_the_fused_pass():
     problem = _problem("1,4,4096,64", 2048, causal=True)
     valid = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, TARGET))
     wgmma = [p for p in valid if p["engine"] == "wgmma"]
-    assert wgmma and all(p["colsum"] == "key_major" and p["warps"] == 4 and p["q_in"] == "smem" for p in wgmma)
+    # the pass's helpers keep one set of values under wgmma: its space fixes them, its points omit them
+    assert wgmma and all(p["colsum"] == "key_major" and "warps" not in p and "q_in" not in p for p in wgmma)
     default = FAMILY.default_params(problem, TARGET)
     assert (default["engine"], default["colsum"]) == ("wgmma", "key_major")
-    assert FAMILY._mma_default(problem, TARGET)["engine"] == "mma"
+    assert _mma_default(problem, TARGET)["engine"] == "mma"
     assert any(p["engine"] == "mma" for p in FAMILY.seed_params(problem, TARGET)), "the mma pairs stay seeds"
     assert FAMILY.default_params(_problem("1,4,4096,32", 2048), TARGET)["engine"] == "mma", "no wgmma for D = 32"
     sm80 = Target.for_arch("80")
@@ -204,7 +212,7 @@ def test_the_template_digest_covers_the_attention_templates():
 def test_both_passes_build_with_nvcc_without_spilling(tmp_path):
     problem = _problem("1,32,4096,128", 2048, causal=True)
     for way, extra in (("fused", {}), ("key_major", {"km_rows": 32, "km_queries": 128, "km_split": 4})):
-        params = {**FAMILY._mma_default(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64,
+        params = {**_mma_default(problem, TARGET), "colsum": way, "km_rows": 16, "km_queries": 64,
                   "km_split": 1, **extra}
         variant = build_variant(FAMILY, problem, params, TARGET)
         path = tmp_path / f"{way}.cu"
@@ -333,3 +341,21 @@ def test_export_writes_both_kernels(tmp_path):
         built = subprocess.run(["nvcc", "-c", "-arch=sm_90", "-o", str(tmp_path / "c.o"), str(out)],
                                capture_output=True, text=True, timeout=300)
         assert built.returncode == 0, built.stderr[-2000:]
+
+
+def test_python_call_says_what_is_wrong_in_the_callers_terms():
+    q = np.zeros((1, 1, 8, 32), dtype=np.float16)
+    with pytest.raises(TypeError, match="autosoft.attention_colsum: split is required"):
+        FAMILY.python_call(q, q, q)
+    with pytest.raises(TypeError, match="scale must be None or a positive number, got str"):
+        FAMILY.python_call(q, q, q, 4, scale="x")
+
+
+def test_colsum_spaces_extend_the_attention_engines_and_add_only_the_pass():
+    from autosoft.families.base import space_of as space
+    attention = space(get_family("attention"))
+    for engine in ("mma", "wgmma"):
+        mine, theirs = space(FAMILY).space(engine), attention.space(engine)
+        assert {"colsum", "km_rows", "km_queries", "km_split"} <= set(mine.names)
+        assert set(mine.names) - {"colsum", "km_rows", "km_queries", "km_split"} <= set(theirs.names)
+        assert {c.why for c in theirs.constraints} <= {c.why for c in mine.constraints}

@@ -15,9 +15,14 @@ from autosoft.errors import UserError
 from autosoft.families import get_family
 from autosoft.compile import ARCH_SPECIFIC, compile_source
 from autosoft.families.attention import call_options, fast_divisor, key_bounds, reference, visible_pairs
-from autosoft.families.base import Target, TensorMap, build_variant, space_of
+from autosoft.families.base import Target, TensorMap, build_variant, params_from_text, space_of
 
 FAMILY = get_family("attention")
+
+def _mma_default(problem, target):
+    """The mma engine's own default, as a point of the family."""
+    return {"engine": "mma", **FAMILY.engine("mma").default_params(problem, target)}
+
 ARCHS = ("90", "80")
 
 # (shape text, dtype, flags): head dims, tails, tiny and long sequences, causal or not
@@ -126,16 +131,20 @@ def test_invalid_params_are_refused():
     assert good["engine"] == "wgmma"
     with pytest.raises(UserError, match="block_m"):
         build_variant(FAMILY, problem, {**good, "block_m": 96}, target)
-    with pytest.raises(UserError, match="mma-only parameters keep one value under wgmma"):
-        build_variant(FAMILY, problem, {**good, "warps": 8}, target)
-    with pytest.raises(UserError, match="sm_90a instructions"):
+    # a parameter only the mma engine declares never reaches the wgmma kernel (points stored when
+    # every point held both engines' parameters still build); the command line refuses it
+    assert build_variant(FAMILY, problem, {**good, "warps": 8}, target).source == \
+        build_variant(FAMILY, problem, good, target).source
+    with pytest.raises(UserError, match="a parameter of the mma engine, not of wgmma"):
+        params_from_text(FAMILY, problem, target, ["warps=8"])
+    with pytest.raises(UserError, match="wgmma engine is built for sm_90"):
         build_variant(FAMILY, problem, good, Target.for_arch("80"))
     with pytest.raises(UserError, match="registers setmaxnreg gives it"):
         build_variant(FAMILY, FAMILY.problem("1,2,1000,128", "float16"),
                       {**good, "block_m": 192, "block_n": 128, "blocks_per_sm": 1}, target)
-    with pytest.raises(UserError, match="two resident blocks are for the one-consumer wgmma kernel"):
+    with pytest.raises(UserError, match="two resident blocks are for one consumer warpgroup"):
         build_variant(FAMILY, problem, {**good, "block_m": 128, "pingpong": True}, target)
-    good = FAMILY._mma_default(problem, target)
+    good = _mma_default(problem, target)
     with pytest.raises(UserError, match="mma tile"):
         build_variant(FAMILY, problem, {**good, "block_m": 64, "warps": 8}, target)
     with pytest.raises(UserError, match="not allowed"):
@@ -160,7 +169,7 @@ def test_variant_name_and_launch():
 
 def test_rendered_source_uses_tensor_core_ptx():
     problem = FAMILY.problem("1,32,8192,64", "bfloat16")
-    src = build_variant(FAMILY, problem, FAMILY._mma_default(problem, Target.for_arch("90")),
+    src = build_variant(FAMILY, problem, _mma_default(problem, Target.for_arch("90")),
                         Target.for_arch("90")).source
     for needle in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global",
@@ -200,7 +209,7 @@ def _nvcc_cubin(tmp_path: Path, source: str, arch: str) -> Path:
 def test_default_variant_builds_with_nvcc(tmp_path, shape, dtype, flags):
     problem = FAMILY.problem(shape, dtype, flags)
     target = Target.for_arch("90")
-    for params in (FAMILY.default_params(problem, target), FAMILY._mma_default(problem, target)):
+    for params in (FAMILY.default_params(problem, target), _mma_default(problem, target)):
         variant = build_variant(FAMILY, problem, params, target)
         src = tmp_path / "attention.cu"
         src.write_text(variant.source)
@@ -216,7 +225,7 @@ def test_default_variant_builds_with_nvcc(tmp_path, shape, dtype, flags):
 def test_sass_has_tensor_core_and_ldmatrix_instructions(tmp_path, layout):
     problem = FAMILY.problem("1,8,1000,128", "float16", ("causal",))
     target = Target.for_arch("90")
-    params = {**FAMILY._mma_default(problem, target), "layout": layout}
+    params = {**_mma_default(problem, target), "layout": layout}
     cubin = _nvcc_cubin(tmp_path, build_variant(FAMILY, problem, params, target).source, "90")
     proc = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -529,7 +538,7 @@ def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_dec
     d96 = FAMILY.problem("1,8,4096,96", "bfloat16")
     assert FAMILY.default_params(d96, sm90)["engine"] == "mma"  # no 64-column boxes for D = 96
     seeds = FAMILY.seed_params(prefill, sm90)
-    assert FAMILY._mma_default(prefill, sm90) in seeds and FAMILY.default_params(prefill, sm90) not in seeds
+    assert _mma_default(prefill, sm90) in seeds and FAMILY.default_params(prefill, sm90) not in seeds
 
 
 def test_chained_tiles_are_persistent_overlapped_wgmma_and_the_d128_ping_pong_default():
@@ -632,3 +641,22 @@ def test_a_refused_tensor_map_is_an_error_naming_the_array(monkeypatch):
     v = TensorMap("v", (1, 2, 300, 64), (1, 1, 64, 64), "bfloat16")
     with pytest.raises(RuntimeError, match=r"cuTensorMapEncodeTiled refused the map of v .*CUresult 1"):
         runtime.encode_tensor_map(v, 4104, None)
+
+
+@pytest.mark.parametrize("cap", [1e-300, 1e308])
+def test_softcaps_float32_cannot_hold_are_refused(cap):
+    with pytest.raises(UserError, match="float32"):
+        FAMILY.problem("1,2,64,64", "float16", {"softcap": cap})
+    with pytest.raises(ValueError, match="float32"):
+        call_options(False, None, cap)
+
+
+def test_render_with_one_engine_takes_that_engines_default_and_refuses_the_others_parameters():
+    problem = FAMILY.problem("1,32,4096,128", "bfloat16")
+    sm90 = Target.for_arch("90")
+    params, given = params_from_text(FAMILY, problem, sm90, ["engine=mma"])
+    assert params == _mma_default(problem, sm90) and given == {"engine"}
+    with pytest.raises(UserError, match="mma engine, not of wgmma"):
+        params_from_text(FAMILY, problem, sm90, ["engine=wgmma", "warps=4"])
+    with pytest.raises(UserError, match="given twice"):
+        params_from_text(FAMILY, problem, sm90, ["stages=2", "stages=3"])

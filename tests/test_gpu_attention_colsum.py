@@ -18,6 +18,11 @@ pytestmark = pytest.mark.gpu
 
 FAMILY = get_family("attention_colsum")
 
+def _mma_default(problem, target):
+    """The mma engine's own default, as a point of the family."""
+    return {"engine": "mma", **FAMILY.engine("mma").default_params(problem, target)}
+
+
 # (B, H, N, D, split): the first and last possible split, N not a multiple of any tile, splits
 # inside a tile and on a tile edge, head dims 64 and 128
 CASES = [(1, 2, 2, 64, 1), (1, 3, 77, 64, 76), (2, 2, 1000, 128, 1), (2, 2, 1000, 128, 999),
@@ -60,7 +65,7 @@ def test_both_passes_are_correct(case, dtype, causal):
     take the key-major pass only)."""
     problem = _problem(*case, dtype, causal)
     points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal, seeds=12)
-    mma = FAMILY._mma_default(problem, _target())
+    mma = _mma_default(problem, _target())
     points += [q for q in ({**mma, "colsum": "fused", "km_split": 1}, {**mma, "colsum": "key_major"})
                if q not in points and FAMILY.is_valid(problem, _target(), q)]
     ways = {p["colsum"] for p in points}
@@ -116,7 +121,7 @@ def test_key_major_is_deterministic_and_fused_repeats_within_rounding():
         problem = _problem(1, 8, 2048, 128, 1024, "bfloat16", True)
         params = FAMILY.default_params(problem, _target())
         if way == "fused":  # the mma kernel's; the default shares query tiles among blocks: a key-major choice
-            params = {**FAMILY._mma_default(problem, _target()), "colsum": way, "km_split": 1}
+            params = {**_mma_default(problem, _target()), "colsum": way, "km_split": 1}
         variant = build_variant(FAMILY, problem, params, _target())
         loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
         inputs = FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(4))
@@ -136,7 +141,7 @@ def test_large_default_fills_the_gpu_and_is_correct():
     """32 heads of 4096 queries, split = N / 2: the benchmark's problem kind; the default, and the
     mma kernel's tiles with either pass."""
     problem = _problem(1, 32, 4096, 128, 2048, "bfloat16", True)
-    mma = FAMILY._mma_default(problem, _target())
+    mma = _mma_default(problem, _target())
     for params in (FAMILY.default_params(problem, _target()), {**mma, "colsum": "fused"}, {**mma, "colsum": "key_major"}):
         variant = build_variant(FAMILY, problem, params, _target())
         outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)

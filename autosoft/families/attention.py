@@ -37,7 +37,9 @@ from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap, option_flag, valid_neighbours
+from ._attention_mma import MmaEngine
+from ._attention_wgmma import WgmmaEngine, fast_divisor
+from .base import Family, OptionValue, Problem, ProblemOption, Target, option_flag
 
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
@@ -45,14 +47,6 @@ _MMA_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 HEAD_DIMS = (32, 64, 96, 128, 256)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
-SPLITS_MAX = 32
-# the wgmma kernel's schedules switched off: the mma kernel's values, where a wgmma point starts from
-_SCHEDULES_OFF: dict[str, ParamValue] = {"overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
-                                         "persistent": False, "queue": False, "chain": False, "merge": "last_block"}
-# the mma-only parameters at the one value each keeps under wgmma (the space's constraint)
-_WGMMA_FIXED: dict[str, ParamValue] = {"engine": "wgmma", "warps": 4, "key_warps": 1, "q_in": "smem",
-                                       "layout": "swizzle", "pack": False, "splits": 1}
-
 # ||o - ref|| / ||ref|| over the whole output; a single row may be off by ROW_FACTOR times more.
 # The error comes from rounding P to the input dtype before P.V and rounding O on output.
 TOLERANCE = {"float16": 5e-3, "bfloat16": 1e-2}
@@ -93,6 +87,10 @@ class AttentionFamily(Family):
                 ("1,8,1000,256", "bfloat16", {"kv_heads": 2, "causal": True, "window_left": 100}),
                 ("2,4,64,64", "float16", {"kv_len": 1000, "window_left": 64, "window_right": 64,
                                           "softcap": 30.0}))
+
+    def __init__(self) -> None:
+        # the wgmma kernel first: where it offers a default (sm_90, enough rows) it is the faster
+        self.engines = (WgmmaEngine(self), MmaEngine(self))
 
     # --- problem ------------------------------------------------------------------------
 
@@ -142,8 +140,9 @@ class AttentionFamily(Family):
         for side in ("window_left", "window_right"):
             if side in opts and not int(opts[side]) >= 0:
                 raise UserError(f"{option_flag(side)} {opts[side]}: expected a number of keys >= 0")
-        if "softcap" in opts and not (math.isfinite(float(opts["softcap"])) and float(opts["softcap"]) > 0):
-            raise UserError(f"--softcap {opts['softcap']}: expected a positive number")
+        if "softcap" in opts and not softcap_fits(float(opts["softcap"])):
+            raise UserError(f"--softcap {opts['softcap']}: expected a positive number that float32 holds "
+                            f"({SOFTCAP_MIN:g} to {SOFTCAP_MAX:g})")
         if kv_heads == h:
             opts.pop("kv_heads", None)
         if kv_len == n:
@@ -192,326 +191,36 @@ class AttentionFamily(Family):
                 "causal": "causal" in problem.flags, "smem_limit": target.smem_optin, "sm_count": target.sm_count,
                 "sm90": target.arch == "90", "l2_bytes": target.l2_bytes}
 
-    # --- a variant ----------------------------------------------------------------------
+    # --- what every engine's kernel shares ---------------------------------------------
 
-    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
-        p = params
-        kv_heads, kv_len = _kv(problem)
+    def kv(self, problem: Problem) -> tuple[int, int]:
+        """(KV heads, keys per head) of a problem."""
+        return _kv(problem)
+
+    def name_prefix(self, problem: Problem) -> str:
+        """The start of every engine's variant names: dtype, head dim, mask, cap and group
+        (attention_bf16_d128_causal_g4); the engine appends its own parameters."""
+        kv_heads, _ = _kv(problem)
         group = problem.shape[1] // kv_heads
         mask = "_causal" if "causal" in problem.flags else ""
         if problem.option("window_left") is not None or problem.option("window_right") is not None:
             mask += "_window"
-        name = (f"attention_{_SHORT[problem.dtype]}_d{problem.shape[3]}{mask}"
+        return (f"attention_{_SHORT[problem.dtype]}_d{problem.shape[3]}{mask}"
                 f"{'_softcap' if problem.option('softcap') is not None else ''}"
                 f"{f'_g{group}' if group > 1 else ''}")
-        if p.get("engine") == "wgmma":  # its other parameters keep one value (the space's constraint)
-            return (name + f"_wgmma_m{p['block_m']}_n{p['block_n']}_s{p['stages']}"
-                    + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else "")
-                    + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else "")
-                + ("_pers" if p.get("persistent") else "") + ("_queue" if p.get("queue") else "")
-                + ("_chain" if p.get("chain") else ""))
-        name += (f"_m{p['block_m']}_n{p['block_n']}_w{p['warps']}_s{p['stages']}"
-                 f"_{'swz' if p['layout'] == 'swizzle' else 'pad'}")
-        if p["q_in"] == "registers":
-            name += "_qreg"
-        if int(p.get("key_warps", 1)) > 1:
-            name += f"_kw{p['key_warps']}"
-        if p.get("pack"):
-            name += "_pack"
-        if int(p.get("splits", 1)) > 1:
-            name += f"_split{p['splits']}" + ("_cluster" if p.get("merge") == "cluster" else "")
-        return name
 
-    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
-        """The space's values, with what the kernel bakes in: lengths, group, mask and cap (a family
-        that extends the kernel without pack and splits gets neither)."""
+    def kernel_args(self, problem: Problem) -> dict[str, Any]:
+        """The template arguments every engine's kernel takes from the problem: the element type,
+        the lengths, the group, and what the problem changes in the scores (mask and cap)."""
         b, h, n, d = problem.shape
         kv_heads, kv_len = _kv(problem)
         window_left, window_right = problem.option("window_left"), problem.option("window_right")
         softcap = problem.option("softcap")
-        return {**values, "dtype": problem.dtype, "mma_type": _MMA_TYPE[problem.dtype], "NQ": n, "NKV": kv_len,
-                "group": h // kv_heads, "pack": bool(values.get("pack", False)), "splits": int(values.get("splits", 1)),
-                "key_warps": int(values.get("key_warps", 1)),
-                "strided": bool(self.strided_inputs),
+        return {"dtype": problem.dtype, "mma_type": _MMA_TYPE[problem.dtype], "NQ": n, "NKV": kv_len,
+                "group": h // kv_heads, "strided": bool(self.strided_inputs),
                 "window_left": -1 if window_left is None else int(window_left),
                 "window_right": -1 if window_right is None else int(window_right),
-                "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None,
-                "single_length": False, "engine": values.get("engine", "mma"),
-                "overlap": bool(values.get("overlap", False)), "pingpong": bool(values.get("pingpong", False)),
-                "blocks_per_sm": int(values.get("blocks_per_sm", 1)), "lpt": bool(values.get("lpt", False)),
-                "persistent": bool(values.get("persistent", False)), "queue": bool(values.get("queue", False)),
-                "chain": bool(values.get("chain", False)), "mma_helpers": False, "merge": values.get("merge", "last_block"), "lpt_heads": self._lpt_heads(problem, values)}
-
-    @staticmethod
-    def _lpt_heads(problem: Problem, values: Mapping[str, Any]) -> int:
-        """(batch, head) pairs whose K and V fit in half the L2 (at least one): the group the
-        longest-first order works within, so that a group's K and V stay in the L2 while it runs."""
-        kv_heads, kv_len = _kv(problem)
-        per_head = 2 * kv_len * problem.shape[3] * ITEMSIZE[problem.dtype]
-        group = problem.shape[1] // kv_heads  # query heads sharing one K and V
-        return max(1, int(values.get("l2_bytes", 50 << 20)) // 2 // per_head * group)
-
-    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
-        b, h, n, d = problem.shape
-        kv_heads, kv_len = _kv(problem)
-        if values.get("engine") == "wgmma":  # a producer warpgroup and one consumer per 64 rows
-            block_m, block_n = int(values["block_m"]), int(values["block_n"])
-            queue = bool(values.get("queue"))  # a workspace: the tile counter and the blocks done (the last resets both)
-            maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, 64), problem.dtype),
-                    TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
-                    TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
-                    # with a queue each consumer's 64 rows of O are stored by the tensor-memory accelerator
-                    *((TensorMap("o", (b, h, n, d), (1, 1, 64, 64), problem.dtype, always_contiguous=True),) if queue else ()))
-            tiles = -(-n // block_m) * h * b
-            grid = (min(tiles, target.sm_count * int(values.get("blocks_per_sm", 1))), 1, 1) \
-                if values.get("persistent") else (-(-n // block_m), h, b)
-            queued: tuple[Any, ...] = ()
-            if queue:  # a tile's (batch, head) comes from its number by dividing by the head count,
-                # and with lpt by the last group's head count: each passed as multiplier and shift
-                lpt_heads = self._lpt_heads(problem, values)
-                queued = (*fast_divisor(h), *fast_divisor(h * b % lpt_heads or lpt_heads), "workspace")
-            args_w = (*maps, "o", "lse", "scale", np.int32(h), np.int32(b), *queued)
-            return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args_w),), \
-                8 if queue else 0
-        pack, splits = bool(values.get("pack", False)), int(values.get("splits", 1))
-        rows = (h // kv_heads) * n if pack else n
-        m_blocks = -(-rows // values["block_m"])
-        grid = (m_blocks * splits, kv_heads if pack else h, b)
-        block = (32 * values["warps"], 1, 1)
-        args: tuple[str, ...] = ("q", "k", "v", "o", "lse", "scale")
-        args += tuple(f"{name}_stride{i}" for name in self.strided_inputs for i in range(3))
-        if splits > 1 and values.get("merge") == "cluster":  # the splits of a query tile: one cluster
-            return (Launch("attention_fwd", grid, block, values["smem_bytes"], args, cluster_blocks=splits),), 0
-        workspace = 0
-        if splits > 1:  # partial lse and O / l of every (query row, split), then arrival counters
-            partials = b * h * n * splits
-            workspace = 4 * (-(-partials // 4) * 4 + partials * d + m_blocks * grid[1] * b)
-            args += ("workspace",)
-        return (Launch("attention_fwd", grid, block, values["smem_bytes"], args),), workspace
-
-    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """On sm_90 with D of 64, 128 or 256 and enough rows for a 128-row tile, the wgmma engine:
-        two consumer warpgroups of 64 rows, both FlashAttention-3 schedules (overlap, ping-pong),
-        128-key tiles (80 for D = 256, where shared memory is short), two stages; for D = 64 three
-        consumers (192 rows) without ping-pong, and up to 1024 queries one consumer of 64 rows in
-        blocks two of which share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster).
-        Without a mask the blocks are persistent (at D = 256 one block per tile: two Q buffers do
-        not fit beside the K/V ring); causal with at most 32 heads orders the tiles longest first
-        across heads; causal rows of up to 1024 keys at D = 64 run persistent blocks that take
-        their tiles from a queue (10 to 14 % faster there); at D = 128 persistent ping-pong blocks
-        chain their tiles (the next tile's first S issued with the last P.V: 1 to 2 % faster).
-        Among the variants timed on an H200 (bf16: 4x16x4096x128,
-        8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
-        16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
-        and 1.6 to 2.2 times the mma kernel's default. Decoding keeps the mma kernel (below).
-
-        Otherwise the mma kernel. Many queries per head: 4 warps of 32 query rows each (two mma tiles share every K/V
-        fragment read from shared memory), 64 keys per tile, a two-stage pipeline, swizzled rows;
-        Q fragments in registers for D <= 64 (re-read from shared memory for larger D, where
-        registers are short). The best of all 102 / 82 variants at 1x32x8192x64 / 4x16x4096x128
-        bf16 on an H200 (352 and 364 TFLOP/s). Smaller query tiles when 128-row tiles cannot fill
-        the GPU. For D = 256, 8 warps of 16 rows: the best of 169 variants at 4x16x4096x256 causal
-        bf16 on an H200 (1934 us, 284 TFLOP/s; 4 warps of 16 rows: 2442 us).
-
-        Few rows per head (decoding: N * H / kv_heads <= 64 with the heads of a group packed):
-        four warps per block that split every 64-key tile among them (their rows: the group's
-        query heads packed, 16 to 64 rows), three tiles in flight, and the keys split among enough
-        blocks to give every SM two."""
-        hopper = self._hopper_default(problem, target)
-        return hopper if hopper is not None else self._mma_default(problem, target)
-
-    def _hopper_default(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
-        """The wgmma default where it is valid (sm_90, D of 64, 128 or 256, more than 64 rows), else None."""
-        b, h, n, d = problem.shape
-        group = h // _kv(problem)[0]
-        if "engine" not in self.space.names or target.arch != "90" or (self._splits and group * n <= 64):
-            return None
-        # persistent blocks overlap a tile's loads with the previous tile's end: 3 to 15 % faster
-        # without a mask (16x16x512x64, 4x16x1024x128, 4x16x4096x128); with causal's tiles of
-        # unequal length the static share of tiles per block loses as much
-        base: dict[str, ParamValue] = {**_SCHEDULES_OFF, **_WGMMA_FIXED, "overlap": True,
-                                       "persistent": "causal" not in problem.flags, "stages": 2,
-                                       "block_n": 80 if d == 256 else 128}
-        if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
-            short = {"block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
-            if "causal" in problem.flags and "queue" in self.space.names:
-                # causal tiles of unequal length: persistent blocks taking the next tile from a
-                # queue as they finish one (bf16 on an H200 against one block per tile:
-                # 16x16x512x64 47.2 -> 42.2 us; 4x16x1024x64 38.9 -> 33.6 us with the tiles
-                # ordered longest first across heads, which 256 heads lose: 44.8 us)
-                short.update(persistent=True, queue=True, lpt=b * h <= 64)
-            p = self._declared({**base, **short})
-            if self._valid_point(problem, target, p):
-                return p
-        wide = d == 64 and n > 96  # three consumer warpgroups
-        # causal with few heads: the tail of light tiles weighs, so order longest first across heads
-        # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
-        # two ping-pong consumers with a next tile (persistent, D = 128): the next tile's first S
-        # issued with the last P.V (bf16 on an H200, 4x16x4096x128 and 8x32x2048x128 full: 1 to 2 %
-        # faster; with one or three consumers at D = 64, 2 to 8 % slower)
-        p = self._declared({**base, "block_m": 192 if wide else 128, "pingpong": not wide, "blocks_per_sm": 1,
-                            "lpt": "causal" in problem.flags and b * h <= 32,
-                            "chain": d == 128 and not wide and bool(base["persistent"])})
-        # where two Q buffers do not fit beside the K/V ring (D = 256), one block per tile
-        for point in (p, {**p, "persistent": False, "chain": False}):
-            if self._valid_point(problem, target, point):
-                return point
-        return None
-
-    def _mma_default(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """The mma kernel's default (see default_params)."""
-        b, h, n, d = problem.shape
-        kv_heads, kv_len = _kv(problem)
-        group = h // kv_heads
-        q_in = "registers" if d <= 64 else "smem"
-        if self._splits and group * n <= 64:
-            rows = group * n
-            block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-            p: dict[str, ParamValue] = {**self._mma, "block_m": block_m, "block_n": 64, "warps": 4,
-                                        "key_warps": 64 // block_m, "stages": 3, "layout": "swizzle" if d != 96 else "pad",
-                                        "q_in": "registers" if d <= 128 else "smem", "pack": group > 1, "splits": 1}
-            # split the keys while the blocks still fit one per SM: on an H200 (132 SMs, bf16,
-            # Hq32/Hkv8 D128 decode, at 3d851aa) B1 took 12.4 us at 16 splits against 12.7 at 32,
-            # and B16 65.9 us unsplit against 67.5 at 2 splits
-            blocks = kv_heads * b
-            while self._splits and blocks * 2 * int(p["splits"]) <= target.sm_count and int(p["splits"]) < SPLITS_MAX and \
-                    self._valid_point(problem, target, {**p, "splits": 2 * int(p["splits"])}):
-                p["splits"] = 2 * int(p["splits"])
-            return self._first_valid(problem, target, p)
-        p = {**self._mma, "block_m": 128, "block_n": 64, "warps": 4, "stages": 2,
-             "layout": "swizzle" if d != 96 else "pad", "q_in": q_in, "pack": False, "splits": 1, "key_warps": 1}
-        if -(-n // 128) * b * h < target.sm_count:
-            p.update(block_m=64)
-        elif d == 256:  # 16 rows per warp (32 do not fit in registers), eight warps share the K/V tiles
-            p.update(warps=8)
-        blocks = -(-n // int(p["block_m"])) * b * h
-        while self._splits and blocks * int(p["splits"]) < target.sm_count and int(p["splits"]) < 8 and \
-                self.is_valid(problem, target, {**p, "splits": 2 * int(p["splits"])}):
-            p["splits"] = 2 * int(p["splits"])
-        return self._first_valid(problem, target, p)
-
-    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Neighbours of the default that are often better: the tuner tries these first, in this
-        order, so a short tune spends its trials on the likely winners. Where the default is the
-        wgmma kernel, the wgmma points (`_wgmma_points`) come first and the mma kernel's default and
-        its neighbours after them (1.6 to 2.2 times slower there); elsewhere the mma neighbours, then
-        the wgmma points (which the space drops off sm_90). The default itself is not among them."""
-        default = self.default_params(problem, target)
-        base = self._mma_default(problem, target)
-        other_q = "smem" if base["q_in"] == "registers" else "registers"
-        splits = int(base.get("splits", 1))
-        changes = (
-            {"stages": 3},
-            {"q_in": other_q},
-            {"layout": "pad"},
-            {"block_n": 128, "q_in": "smem"},
-            {"block_m": 64, "block_n": 128, "q_in": "registers"},
-            {"block_m": 128, "warps": 8, "block_n": 128, "stages": 3, "q_in": "registers"},  # 16 rows per warp
-            {"block_n": 32, "stages": 3},
-        ) + (({"stages": 4},  # B1 decode, 32768 keys: 38.1 us against 38.6 at 3 stages (H200, 3d851aa)
-               {"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
-               {"splits": min(SPLITS_MAX, 4 * splits)},
-               # no cluster merge among them: on an H200 it lost to the last block's merge at every
-               # split count the tuner tried (bf16 B1 Hq32/Hkv8 D128 decode, 4096 keys: 15.0 against
-               # 13.2 us at 16 splits; 32768 keys: 44.7 against 39.3 us; B16: 7-22 % slower)
-               {"block_n": 128, "stages": 2}, {"stages": 2},
-               {"pack": not base.get("pack", False)}, {"key_warps": 2, "warps": 2}, {"key_warps": 1, "warps": 1},
-               {"block_n": 128, "stages": 2, "key_warps": 4}, {"block_n": 128, "stages": 3, "key_warps": 4},
-               # eight warps of 16 keys each: B16 decode, 32768 keys, 476.0 against 481.2 us (H200, 9c82293)
-               {"block_n": 128, "warps": 8, "key_warps": 8, "stages": 3},
-               {"block_n": 32, "key_warps": 2, "warps": 2, "stages": 2}, {"key_warps": 2, "warps": 2, "stages": 1})
-            if self._splits else ())
-        mma = valid_neighbours(self, problem, target, base, changes)
-        wgmma = valid_neighbours(self, problem, target, base, self._wgmma_points(problem, default))
-        if default == base:
-            return mma + [p for p in wgmma if p not in mma]
-        return [p for p in wgmma if p != default] + [p for p in [base, *mma] if p != default]
-
-    def _wgmma_points(self, problem: Problem, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Hopper variants worth measuring, the likeliest first. Tile shapes: the default's first,
-        then FlashAttention-3's (128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64 keys for
-        D = 256, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
-        persistent blocks taking tiles from a queue, longest first across heads (chained or not) or
-        not, then one block per tile with and without that order; else persistent (chained or not)
-        or not. The first tile under
-        every schedule comes first, then every other tile under the first schedule, then the rest
-        (two stages before three), the serial schedule last: a short tune sees each tile and each
-        schedule. The space drops what does not fit."""
-        if "engine" not in self.space.names:
-            return []
-        fixed = {**_SCHEDULES_OFF, **_WGMMA_FIXED, "overlap": True}
-        # (block_m, block_n, pingpong, blocks_per_sm)
-        tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
-                 (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
-                 (192, 80, False, 1), (128, 192, True, 1)]
-        if default.get("engine") == "wgmma":
-            mine = (default["block_m"], default["block_n"], default["pingpong"], default["blocks_per_sm"])
-            tiles = [mine] + [t for t in tiles if t != mine]
-        if "causal" in problem.flags:  # tiles of unequal length
-            schedules = [{"persistent": True, "queue": True, "lpt": True},
-                         {"persistent": True, "queue": True, "lpt": True, "chain": True}, {"persistent": True, "queue": True},
-                         {"lpt": True}, {}, {"persistent": True, "lpt": True}]
-        else:
-            schedules = [{"persistent": True}, {"persistent": True, "chain": True}, {}]
-
-        def point(tile: tuple, schedule: dict, stages: int) -> dict[str, ParamValue]:
-            m, n, pp, bps = tile
-            return {**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": stages,
-                    **schedule}
-
-        # the first tile under every schedule, every other tile under the first schedule, the rest
-        # (a point already listed is dropped later, by valid_neighbours)
-        points = [point(tiles[0], sch, 2) for sch in schedules] + [point(t, schedules[0], 2) for t in tiles[1:]]
-        points += [point(t, sch, st) for st in (2, 3) for t in tiles for sch in schedules]
-        points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
-                   for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile
-        return [self._declared(p) for p in points]
-
-    def _valid_point(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
-        """is_valid, and False for values the space does not declare (a family that extends the
-        kernel may declare fewer tiles)."""
-        try:
-            return self.is_valid(problem, target, params)
-        except UserError:
-            return False
-
-    @property
-    def _mma(self) -> dict[str, ParamValue]:
-        """The engine and the wgmma schedules at their mma values, those the space declares (a
-        family that extends the kernel may declare fewer, or no engine)."""
-        return self._declared({"engine": "mma", **_SCHEDULES_OFF})
-
-    def _declared(self, p: Mapping[str, ParamValue]) -> dict[str, ParamValue]:
-        """p's values of the parameters the space declares, with the family's own (`_own_params`)
-        where p has none: this family's points made whole for a family that extends the kernel."""
-        names = set(self.space.names)
-        return {**self._own_params(), **{n: v for n, v in p.items() if n in names}}
-
-    def _own_params(self) -> dict[str, ParamValue]:
-        """The default values of the parameters a family that extends the kernel adds (none here)."""
-        return {}
-
-    @property
-    def _splits(self) -> bool:
-        """Whether the space has pack and splits (a family that extends the kernel may not)."""
-        return "splits" in self.space.names
-
-    def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
-        # smaller key tiles, shallower pipeline, fewer splits, smaller query tile: the last step
-        # is valid for any problem
-        p = self._declared(p)
-        tiles = [(p["block_m"], p["warps"], p.get("key_warps", 1)), (64, 4, 1), (16, 1, 1)]
-        for block_m, warps, key_warps in tiles:
-            for block_n in (p["block_n"], 64, 32):
-                for stages in (p["stages"], 2, 1):
-                    for splits in (p.get("splits", 1), 1):
-                        candidate = {**p, "block_m": block_m, "warps": warps, "block_n": block_n, "stages": stages}
-                        if "splits" in p:
-                            candidate.update(splits=splits, key_warps=key_warps)
-                        if int(block_n) <= int(p["block_n"]) and int(stages) <= int(p["stages"]) \
-                                and self._valid_point(problem, target, candidate):
-                            return candidate
-        raise AssertionError(f"no valid default attention variant for {problem}")
+                "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None}
 
     # --- what it costs ------------------------------------------------------------------
 
@@ -653,24 +362,34 @@ def call_options(causal: Any, window: Any, softcap: Any, who: str = "autosoft.at
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise TypeError(f"{who}: softcap must be None or a positive finite number, got {type(softcap).__name__}")
         cap = float(softcap)
-        if not (math.isfinite(cap) and cap > 0):
-            raise ValueError(f"{who}: softcap must be None or a positive finite number, got {cap}")
+        if not softcap_fits(cap):
+            raise ValueError(f"{who}: softcap must be None or a positive finite number that float32 holds "
+                             f"({SOFTCAP_MIN:g} to {SOFTCAP_MAX:g}), got {cap}")
         options["softcap"] = cap
     return options
 
 
-def fast_divisor(d: int) -> tuple[np.uint32, np.int32]:
-    """The multiplier m and shift p that divide by d (1 <= d < 2**31) any n in [0, 2**31) as
-    (n * m) >> p, a 64-bit product and a shift (the round-up method, as CUTLASS's FastDivmod):
-    p = 31 + ceil(log2 d) and m = ceil(2**p / d). The kernel's divisions by a run-time head count
-    take this instead of an integer division (some twenty instructions), and its source stays the
-    same whatever the head count (the verification problem has fewer heads than the tuned one).
-    Exact: m * d - 2**p = e < d <= 2**ceil(log2 d), so n * e < 2**p, and n / d plus n * e / (d 2**p)
-    never reaches the next integer."""
-    if not 1 <= d < 2**31:
-        raise ValueError(f"fast_divisor: divisor {d} is outside [1, 2**31)")
-    shift = 31 + (d - 1).bit_length()
-    return np.uint32(-(-(1 << shift) // d)), np.int32(shift)
+def check_scale(scale: Any, head_dim: int, who: str) -> float:
+    """The scale of a call: 1/sqrt(head_dim) for None, else a positive number that float32 holds
+    (the kernel tracks the running max of the unscaled scores): TypeError for what is not a real
+    number (a string, a bool), ValueError for one out of range, each naming the argument."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{who}: scale must be None or a positive number, got {type(scale).__name__} {scale!r}")
+    value = float(scale)
+    if not SOFTCAP_MIN <= value <= SOFTCAP_MAX:
+        raise ValueError(f"{who}: scale must be positive and a float32 ({SOFTCAP_MIN:g} to {SOFTCAP_MAX:g}), got {value}")
+    return value
+
+
+# the kernel computes c * tanh(s / c) in float32: c must be a normal float32, neither 0 nor inf there
+SOFTCAP_MIN, SOFTCAP_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def softcap_fits(cap: float) -> bool:
+    """Whether softcap `cap` is positive and a normal float32 (1e-300 becomes 0 there, 1e308 inf)."""
+    return SOFTCAP_MIN <= cap <= SOFTCAP_MAX
 
 
 def _kv(problem: Problem) -> tuple[int, int]:
@@ -743,5 +462,8 @@ def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any
             lse[hs, :, r0:r1] = xp.where(seen, m + xp.log(xp.where(seen, total, 1.0)), -np.inf)[..., 0]
     return o.reshape(b, h, n, d), lse.reshape(b, h, n)
 
+
+__all__ = ["ATTENTION", "AttentionFamily", "call_options", "check_scale", "fast_divisor", "key_bounds", "reference", "softcap_fits",
+           "visible_pairs"]
 
 ATTENTION = register(AttentionFamily())

@@ -29,8 +29,10 @@ from ..dtypes import to_float64
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from .attention import AttentionFamily
-from .base import Call, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+from ._attention_mma import MmaEngine
+from ._attention_wgmma import WgmmaEngine
+from .attention import AttentionFamily, check_scale
+from .base import Call, Engine, Family, Launch, OptionValue, Problem, ProblemOption, Target
 
 # |colsum - ref| <= RTOL * |ref| + ATOL per element; the full rows' column sums must add up to the
 # number of queries >= split within TOTAL_RTOL
@@ -61,6 +63,11 @@ class AttentionColsumFamily(AttentionFamily):
                 ("1,8,3333,128", "bfloat16", {"causal": True, "split": 3269}),
                 ("2,4,1024,128", "float16", {"split": 1}),
                 ("1,4,4096,64", "bfloat16", {"causal": True, "split": 2048}))
+
+    def __init__(self) -> None:
+        # on sm_90 the wgmma kernel first: with the key-major pass after it, 1.4 to 1.9 times as fast
+        # as the mma kernel's pair on the eight benchmark rows (H200)
+        self.engines = (ColsumWgmma(self), ColsumMma(self))
 
     # --- problem ------------------------------------------------------------------------
 
@@ -100,98 +107,30 @@ class AttentionColsumFamily(AttentionFamily):
 
     # --- the Python function -----------------------------------------------------------
 
-    def python_call(self, q: Any, k: Any, v: Any, split: int, causal: bool = False, scale: float | None = None,
-                    return_lse: bool = False, deterministic: bool = False) -> Call:
+    def python_call(self, q: Any, k: Any, v: Any, split: int | None = None, causal: bool = False,
+                    scale: float | None = None, return_lse: bool = False, deterministic: bool = False) -> Call:
         """Attention, and how much attention the queries from `split` on pay to each key before it.
 
         q, k, v: (B, H, N, D) arrays of one shape, CUDA torch tensors (float16, bfloat16) or CuPy
-        float16 arrays, D in 32, 64, 128; 0 < split < N. Returns (o, colsum): o like q (as
-        autosoft.attention), colsum (B, H, split) float32 with colsum[b, h, j] the sum over queries
-        i >= split of softmax(scale * q kᵀ [causal])[b, h, i, j]; with return_lse=True, (o, colsum,
-        lse). scale defaults to 1/sqrt(D) and must be positive. deterministic=True uses only
-        variants whose colsum is the same bits on every run (the key-major pass, no atomics).
-        It has no backward: torch tensors that require gradients while autograd records raise
-        RuntimeError (call it under torch.no_grad()).
+        float16 arrays, D in 32, 64, 128; split (required): an int with 0 < split < N. Returns
+        (o, colsum): o like q (as autosoft.attention), colsum (B, H, split) float32 with
+        colsum[b, h, j] the sum over queries i >= split of softmax(scale * q kᵀ [causal])[b, h, i, j];
+        with return_lse=True, (o, colsum, lse). scale defaults to 1/sqrt(D) and must be positive.
+        deterministic=True uses only variants whose colsum is the same bits on every run (the
+        key-major pass, no atomics). It has no backward: torch tensors that require gradients
+        while autograd records raise RuntimeError (call it under torch.no_grad()).
         """
+        who = f"autosoft.{self.name}"
+        if split is None:
+            raise TypeError(f"{who}: split is required: the column sums are over the queries from split on, "
+                            "for the keys before it (0 < split < N)")
         refuse_gradients(self.name, q, k, v)
         if isinstance(split, bool) or not isinstance(split, (int, np.integer)):
-            raise TypeError(f"autosoft.{self.name}: split must be an int, got {type(split).__name__}")
+            raise TypeError(f"{who}: split must be an int, got {type(split).__name__}")
         head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        if not scale > 0:  # the kernel tracks the running max of the unscaled scores
-            raise ValueError(f"autosoft.{self.name}: scale must be positive, got {scale}")
+        scale = check_scale(scale, head_dim, who)
         return Call((q, k, v), {"causal": bool(causal), "split": int(split), "deterministic": bool(deterministic)},
                     {"scale": np.float32(scale)}, ("o", "colsum", "lse") if return_lse else ("o", "colsum"))
-
-    # --- a variant ----------------------------------------------------------------------
-
-    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
-        way = "fused" if params["colsum"] == "fused" else \
-            f"kmajor{int(params['km_rows']) * int(params['warps'])}x{params['km_queries']}" + \
-            (f"c{params['km_split']}" if int(params["km_split"]) > 1 else "")
-        return super().variant_name(problem, params).replace("attention_", f"attention_colsum_{way}_", 1)
-
-    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
-        return {**super().template_args(problem, values), "attention_kernel": "attention_fwd",
-                "single_length": True, "mma_helpers": values.get("engine") == "wgmma",
-                "zero_kernel": "colsum_zero", "key_major_kernel": "colsum_key_major"}
-
-    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
-        b, h, n, _ = problem.shape
-        split = values["split"]
-        block = (32 * values["warps"], 1, 1)
-        if values.get("engine") == "wgmma":  # the attention family's own kernel, without the column sums
-            (attention,), _ = super().launches(problem, values, target)
-        else:
-            attention = Launch("attention_fwd", (-(-n // values["block_m"]), h, b), block, values["smem_bytes"],
-                               ("q", "k", "v", "o", "lse", "scale", "colsum"))
-        if values["colsum"] == "fused":
-            count = b * h * split
-            zero = Launch("colsum_zero", (min(-(-count // ZERO_THREADS), 4 * target.sm_count), 1, 1),
-                          (ZERO_THREADS, 1, 1), 0, ("colsum", np.int64(count)))
-            return (zero, attention), 0
-        keys = values["warps"] * values["km_rows"]
-        key_tiles, chunks = -(-split // keys), values["km_split"]
-        args: tuple[str, ...] = ("q", "k", "lse", "colsum", "scale")
-        workspace = 0
-        if chunks > 1:  # partial sums per (tile, chunk), then an arrival counter per tile
-            args += ("workspace",)
-            workspace = 4 * b * h * key_tiles * (chunks * keys + 1)
-        key_major = Launch("colsum_key_major", (key_tiles * chunks, h, b), block, values["key_major_smem"], args)
-        return (attention, key_major), workspace
-
-    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """The attention family's default kernel and tiles (on sm_90 its wgmma kernel, which leaves
-        the column sums out), then the key-major pass with 16 keys per warp and 64 queries per
-        tile, its query tiles shared among as many blocks per key tile (up to 8) as it takes to
-        give every SM two blocks. On the H200 the key-major pass beat the fused one on all eight
-        benchmark rows untuned (by 4-46 %: the fused pass lengthens the longest query tiles, which
-        start first and finish last), and it is deterministic; the wgmma kernel before it made the
-        pair 1.4 to 1.9 times as fast as the mma kernel's on the same eight rows."""
-        p = self._hopper_default(problem, target) or self._mma_default(problem, target)
-        b, h, _, _ = problem.shape
-        blocks = -(-int(problem.option("split")) // (int(p["warps"]) * int(p["km_rows"]))) * b * h
-        chunks = 1
-        while blocks * chunks < 2 * target.sm_count and chunks < 8 and \
-                self.is_valid(problem, target, {**p, "km_split": 2 * chunks}):
-            chunks *= 2
-        return {**p, "km_split": chunks}
-
-    def _own_params(self) -> dict[str, ParamValue]:
-        return {"colsum": "key_major", "km_rows": 16, "km_queries": 64, "km_split": 1}
-
-    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Other key-major tiles, the fused pass, then the attention family's seeds with each pass."""
-        base = self.default_params(problem, target)
-        attention_seeds = super().seed_params(problem, target)
-        changes: list[dict[str, ParamValue]] = [
-            {"km_queries": 128}, {"km_rows": 32}, {"km_rows": 32, "km_queries": 128}, {"km_queries": 32},
-            {"km_split": 1}, {"km_split": 2}, {"km_split": 4}, {"km_split": 8},
-            {"colsum": "fused", "km_rows": 16, "km_queries": 64, "km_split": 1}]
-        changes += [{**seed, **way} for seed in attention_seeds
-                    for way in ({"colsum": "key_major"},
-                                {"colsum": "fused", "km_rows": 16, "km_queries": 64, "km_split": 1})]
-        return valid_neighbours(self, problem, target, base, changes)
 
     # --- what it costs ------------------------------------------------------------------
 
@@ -269,6 +208,128 @@ def reference_colsum(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> An
             p = xp.exp(s - s.max(axis=-1, keepdims=True))
             sums[hs] += (p / p.sum(axis=-1, keepdims=True)).sum(axis=1)
     return sums.reshape(b, h, n)
+
+
+# --- the engines: an attention engine's kernel, then the column-sum pass -----------------
+
+# the column-sum pass's parameters where the attention kernel's own points do not set them
+_PASS = {"colsum": "key_major", "km_rows": 16, "km_queries": 64, "km_split": 1}
+_WAYS: tuple[dict[str, ParamValue], ...] = ({"colsum": "key_major"}, {"colsum": "fused", **{n: v for n, v in _PASS.items()
+                                                                                             if n != "colsum"}})
+
+
+class _ColsumEngine(Engine):
+    """An attention engine's kernel (self.attention, on this engine's space) with the column-sum
+    pass: its template extends the attention template; its name, default and seeds are the
+    attention engine's with the pass's parameters."""
+    template = "attention_colsum/attention_colsum.cu.j2"
+    attention: Engine
+
+    def __init__(self, family: Family, attention: Engine) -> None:
+        super().__init__(family, attention.space_name)
+        self.attention = attention
+        self.name = attention.name  # type: ignore[misc]
+        self.archs = attention.archs  # type: ignore[misc]
+
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        way = "fused" if params["colsum"] == "fused" else \
+            f"kmajor{int(params['km_rows']) * int(params.get('warps', 4))}x{params['km_queries']}" + \
+            (f"c{params['km_split']}" if int(params["km_split"]) > 1 else "")
+        return self.attention.variant_name(problem, params).replace("attention_", f"attention_colsum_{way}_", 1)
+
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {**self.attention.template_args(problem, values), "attention_kernel": "attention_fwd",
+                "single_length": True, "zero_kernel": "colsum_zero", "key_major_kernel": "colsum_key_major"}
+
+    def attention_launch(self, problem: Problem, values: Mapping[str, Any], target: Target) -> Launch:
+        """The attention kernel's launch."""
+        raise NotImplementedError
+
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        b, h, n, _ = problem.shape
+        split = values["split"]
+        attention = self.attention_launch(problem, values, target)
+        if values["colsum"] == "fused":
+            count = b * h * split
+            zero = Launch("colsum_zero", (min(-(-count // ZERO_THREADS), 4 * target.sm_count), 1, 1),
+                          (ZERO_THREADS, 1, 1), 0, ("colsum", np.int64(count)))
+            return (zero, attention), 0
+        keys = values["warps"] * values["km_rows"]
+        key_tiles, chunks = -(-split // keys), values["km_split"]
+        args: tuple[str, ...] = ("q", "k", "lse", "colsum", "scale")
+        workspace = 0
+        if chunks > 1:  # partial sums per (tile, chunk), then an arrival counter per tile
+            args += ("workspace",)
+            workspace = 4 * b * h * key_tiles * (chunks * keys + 1)
+        key_major = Launch("colsum_key_major", (key_tiles * chunks, h, b), (32 * values["warps"], 1, 1),
+                           values["key_major_smem"], args)
+        return (attention, key_major), workspace
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
+        """The attention engine's default kernel and tiles, then the key-major pass with 16 keys
+        per warp and 64 queries per tile, its query tiles shared among as many blocks per key tile
+        (up to 8) as it takes to give every SM two blocks. On the H200 the key-major pass beat the
+        fused one on all eight benchmark rows untuned (by 4-46 %: the fused pass lengthens the
+        longest query tiles, which start first and finish last), and it is deterministic."""
+        p = self.attention.default_params(problem, target)
+        if p is None:
+            return None
+        b, h, _, _ = problem.shape
+        warps = int(p.get("warps", 4))
+        blocks = -(-int(problem.option("split")) // (warps * int(p["km_rows"]))) * b * h
+        chunks = 1
+        while blocks * chunks < 2 * target.sm_count and chunks < 8 and \
+                self.is_valid(problem, target, {**p, "km_split": 2 * chunks}):
+            chunks *= 2
+        return {**p, "km_split": chunks}
+
+    def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
+        """As the default engine: other key-major tiles, the fused pass, then the attention
+        engine's seeds with each pass; else the attention engine's default and seeds with each pass."""
+        kernel = self.attention.default_params(problem, target)
+        mine = self.default_params(problem, target)
+        if default.get("engine") != self.name or mine is None:
+            kernels = ([kernel] if kernel is not None else []) + \
+                self.attention.seed_params(problem, target, {"engine": self.name, **(kernel or {})})
+            return self.valid_neighbours(problem, target, {}, [{**s, **way} for s in kernels for way in _WAYS])
+        kernels = self.attention.seed_params(problem, target, {"engine": self.name, **(kernel or {})})
+        if kernel is not None and kernel != mine:
+            kernels = [kernel, *kernels]
+        changes: list[dict[str, ParamValue]] = [
+            {"km_queries": 128}, {"km_rows": 32}, {"km_rows": 32, "km_queries": 128}, {"km_queries": 32},
+            {"km_split": 1}, {"km_split": 2}, {"km_split": 4}, {"km_split": 8}, {**_WAYS[1]}]
+        changes += [{**s, **way} for s in kernels for way in _WAYS]
+        return self.valid_neighbours(problem, target, mine, changes)
+
+
+class ColsumMma(_ColsumEngine):
+    """The mma kernel with the pass: the fused pass inside it (its `colsum` argument), or the
+    key-major kernel after it."""
+
+    def __init__(self, family: Family) -> None:
+        super().__init__(family, MmaEngine(family, "attention_colsum_mma", adds=_PASS))
+
+    def attention_launch(self, problem: Problem, values: Mapping[str, Any], target: Target) -> Launch:
+        b, h, n, _ = problem.shape
+        return Launch("attention_fwd", (-(-n // values["block_m"]), h, b), (32 * values["warps"], 1, 1),
+                      values["smem_bytes"], ("q", "k", "v", "o", "lse", "scale", "colsum"))
+
+
+class ColsumWgmma(_ColsumEngine):
+    """The wgmma kernel as attention launches it, then the key-major pass built on the mma
+    kernel's helpers (in the same source, the Hopper kernel in a namespace of its own)."""
+
+    def __init__(self, family: Family) -> None:
+        super().__init__(family, WgmmaEngine(family, "attention_colsum_wgmma", adds=_PASS, decoding=True))
+
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        # the helpers' tiles: one warp per row group, no packed heads or split keys
+        return {**super().template_args(problem, values), "mma_helpers": True, "key_warps": 1, "pack": False,
+                "splits": 1, "merge": "last_block"}
+
+    def attention_launch(self, problem: Problem, values: Mapping[str, Any], target: Target) -> Launch:
+        (attention,), _ = self.attention.launches(problem, values, target)
+        return attention
 
 
 __all__ = ["ATTENTION_COLSUM", "AttentionColsumFamily", "reference_colsum"]

@@ -20,12 +20,13 @@ from ..compile import source_digest
 from ..dtypes import DTYPES, ITEMSIZE, check_dtype
 from ..errors import UserError
 from ..render import render, template_digest
-from ..space import ParamValue, SearchSpace, load_space
+from ..space import EngineSpaces, ParamValue, SearchSpace, load_space
 
 __all__ = [
-    "DTYPES", "ITEMSIZE", "Call", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "TensorMap",
+    "DTYPES", "ITEMSIZE", "Call", "Engine", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "TensorMap",
     "Variant",
-    "build_variant", "family_template_digest", "is_valid", "option_flag", "space_of", "template_folders", "template_root",
+    "build_variant", "engine_of", "family_template_digest", "is_valid", "option_flag", "params_from_text", "point_space",
+    "space_of", "template_folders", "template_root",
     "valid_neighbours",
 ]
 
@@ -320,29 +321,63 @@ class Family(abc.ABC):
         params (sizes, itemsize, the target's limits), for this problem on this target."""
 
     # --- variants ----------------------------------------------------------------------------
-    @abc.abstractmethod
+    # A family with one kernel implements the five methods below itself: it is its own engine. A
+    # family with several kernels lists them in `engines` and leaves these to them: a point then
+    # names its engine (params["engine"]) and holds that engine's parameters only.
+    engines: tuple["Engine", ...] = ()
+    """The family's kernels, in the order the default prefers them (set by __init__: an engine
+    belongs to one family); empty for a family that is its own engine."""
+
+    def engine(self, name: str) -> "Engine":
+        """The engine called `name`; UserError naming the family's engines otherwise."""
+        for engine in self.engines:
+            if engine.name == name:
+                return engine
+        raise UserError(f"{self.name} has no engine {name!r}" + (f"; its engines: {', '.join(e.name for e in self.engines)}"
+                                                                 if self.engines else " (it is one kernel)"))
+
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         """A readable name, unique among the valid points of one problem (FlashInfer style:
         softmax_f16_t256_g256_v8_u1_registers_three_pass_shuffle); a C identifier."""
+        engine, own = engine_of(self, params)
+        return engine.variant_name(problem, own)
 
-    @abc.abstractmethod
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         """The template's arguments, from the evaluated values (params, problem values, derived).
         "name" and "kernel_names" are added by build_variant."""
+        return engine_of(self, values)[0].template_args(problem, values)
 
-    @abc.abstractmethod
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         """The launches of a variant, in order, and the bytes of zeroed workspace they share.
         Every Launch.kernel is an extern "C" __global__ function of the rendered source taking
         exactly len(args) arguments; string args name inputs, outputs or "workspace"."""
+        return engine_of(self, values)[0].launches(problem, values, target)
 
-    @abc.abstractmethod
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """A valid, correct variant for any problem `problem()` accepts, without tuning."""
+        """A valid, correct variant for any problem `problem()` accepts, without tuning. With
+        engines: the default of the first engine that serves the problem and offers one."""
+        for engine in self.engines:
+            if engine.serves(problem, target):
+                params = engine.default_params(problem, target)
+                if params is not None:
+                    return {"engine": engine.name, **params}
+        raise NotImplementedError(f"{self.name}: no engine offers a default for {problem.shape_text} on sm_{target.arch}")
 
-    @abc.abstractmethod
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Valid points the tuner measures first (often better than the default), no repeats."""
+        """Valid points the tuner measures first (often better than the default), no repeats.
+        With engines: the default engine's seeds, then each other serving engine's, in the order
+        of `engines` (Engine.seed_params)."""
+        default = self.default_params(problem, target)
+        first = engine_of(self, default)[0]
+        seeds: list[dict[str, ParamValue]] = []
+        for engine in (first, *(e for e in self.engines if e is not first)):
+            if engine.serves(problem, target):
+                seeds += [{"engine": engine.name, **p} for p in engine.seed_params(problem, target, default)]
+        out: list[dict[str, ParamValue]] = []
+        for p in seeds:
+            if p != default and p not in out:
+                out.append(p)
+        return out
 
     # --- costs -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -450,15 +485,159 @@ class Family(abc.ABC):
         return f"<family {self.name}>"
 
 
-def space_of(family: Family) -> SearchSpace:
-    """A family's search space: its `space_file`, or search_spaces/<name>.yaml."""
+class Engine(abc.ABC):
+    """One kernel of a family: its template, its search space, its default and seeds, how a point
+    becomes template arguments, launches and a name, and the architectures it needs. The family
+    keeps the problem's meaning (shapes, options, dtypes, reference check, outputs, costs, the
+    Python function); an engine reads it through `self.family`. A point of an engine holds its own
+    parameters only; the family's points add "engine": its name. An engine that builds on
+    another's kernel (attention_colsum's on attention's) holds that engine and calls it.
+    """
+    name: ClassVar[str]
+    """The engine's name, unique within its family and a value of params["engine"], e.g. "mma"."""
+    template: ClassVar[str]
+    """The template build_variant renders, relative to the family's template root."""
+    archs: ClassVar[tuple[str, ...]] = SUPPORTED_ARCHS
+    """Compute capabilities it compiles for; a target of another serves no problem."""
+
+    def __init__(self, family: Family, space: str) -> None:
+        """space: the name of its search space, search_spaces/<space>.yaml."""
+        self.family = family
+        self.space_name = space
+
+    @property
+    def space(self) -> SearchSpace:
+        return _load_space_cached(self.space_name, None)
+
+    def serves(self, problem: Problem, target: Target) -> bool:
+        """Whether it builds variants of this problem for this target: its architecture, and the
+        constraints of its space on the problem alone."""
+        return target.arch in self.archs and not self.space.problem_violations(self.family.problem_values(problem, target))
+
+    def is_valid(self, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
+        """Whether params (without "engine") are declared values of this engine that satisfy
+        every constraint for this problem on this target; False for undeclared values."""
+        try:
+            checked = self.space.check_values(params)
+        except UserError:
+            return False
+        return target.arch in self.archs and not self.space.violations(checked, self.family.problem_values(problem, target))
+
+    def valid_neighbours(self, problem: Problem, target: Target, base: Mapping[str, Any],
+                         changes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """base with each change applied, in order, keeping the valid ones not seen before: seeds."""
+        seeds: list[dict[str, Any]] = []
+        for change in changes:
+            candidate = {**base, **change}
+            if candidate != base and candidate not in seeds and self.is_valid(problem, target, candidate):
+                seeds.append(candidate)
+        return seeds
+
+    @abc.abstractmethod
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        """As Family.variant_name, for a point of this engine."""
+
+    @abc.abstractmethod
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        """As Family.template_args, from this engine's evaluated values."""
+
+    @abc.abstractmethod
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        """As Family.launches."""
+
+    @abc.abstractmethod
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
+        """A valid, correct point of this engine for a problem it serves, or None where it
+        leaves the default to another engine."""
+
+    @abc.abstractmethod
+    def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
+        """Valid points of this engine the tuner measures first, likeliest first, no repeats:
+        around `default` (the family's default point, with "engine") where it is this engine's,
+        else this engine's own default (when it has one) and its neighbours."""
+
+    def __repr__(self) -> str:
+        return f"<engine {self.family.name}.{self.name}>"
+
+
+def engine_of(family: Family, params: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The engine a point (or evaluated values) names and the point without "engine"; for a
+    family without engines, the family itself and the point."""
+    if not family.engines:
+        return family, dict(params)
+    name = space_of(family).engine(params.get("engine"))  # type: ignore[union-attr]
+    engine = next(e for e in family.engines if e.name == name)
+    return engine, {n: v for n, v in params.items() if n != "engine"}
+
+
+def point_space(family: Family, params: Mapping[str, Any]) -> tuple[SearchSpace, dict[str, Any]]:
+    """The space a point lives in (its engine's, or the family's) and the point without "engine"."""
+    space = space_of(family)
+    if isinstance(space, EngineSpaces):
+        engine, inner, own = space.split(params)
+        return inner, own
+    return space, dict(params)
+
+
+def space_of(family: Family) -> Any:
+    """A family's search space: its `space_file`, or search_spaces/<name>.yaml; for a family with
+    engines, their spaces together (space.EngineSpaces)."""
+    if family.engines:
+        return _engine_spaces(family.name, tuple((e.name, e.space_name) for e in family.engines))
     path = getattr(family, "space_file", None)
     return _load_space_cached(family.name, str(path) if path else None)
 
 
 @lru_cache(maxsize=None)
+def _engine_spaces(family: str, engines: tuple[tuple[str, str], ...]) -> EngineSpaces:
+    return EngineSpaces(family, tuple((name, _load_space_cached(space, None)) for name, space in engines))
+
+
+@lru_cache(maxsize=None)
 def _load_space_cached(name: str, path: str | None) -> SearchSpace:
     return load_space(name, Path(path) if path else None)
+
+
+def params_from_text(family: Family, problem: Problem, target: Target, items: Sequence[str]) -> tuple[dict[str, ParamValue], set[str]]:
+    """The point `render --param NAME=VALUE ...` asks for, and the names given: the default with
+    the given values. With engines, `engine=NAME` starts from that engine's own default, and a
+    parameter only other engines declare is refused, naming them. A name given twice is refused."""
+    given: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UserError(f"--param {item!r}: expected NAME=VALUE, e.g. --param vec=4")
+        if name in given:
+            raise UserError(f"--param {name} is given twice ({given[name]!r} and {value!r}); give it once")
+        given[name] = value
+    space = space_of(family)
+    if not isinstance(space, EngineSpaces):
+        params = family.default_params(problem, target)
+        params.update({name: space.parse_value(name, value) for name, value in given.items()})
+        return params, set(given)
+    if "engine" in given:
+        engine = next(e for e in family.engines if e.name == space.parse_value("engine", given["engine"]))
+        if not engine.serves(problem, target):
+            why = engine.space.problem_violations(family.problem_values(problem, target))
+            raise UserError(f"the {engine.name} engine does not serve {family.name} {problem.shape_text} on "
+                            f"sm_{target.arch}: {why[0] if why else 'it is built for sm_' + ', sm_'.join(engine.archs)}")
+        own = engine.default_params(problem, target)
+        if own is None:  # the engine leaves the default to another: its likeliest point instead
+            own = (engine.seed_params(problem, target) or engine.space.valid_points(family.problem_values(problem, target)))[0]
+        params = {"engine": engine.name, **own}
+    else:
+        params = family.default_params(problem, target)
+    inner = space.space(params["engine"])
+    for name, value in given.items():
+        if name == "engine":
+            continue
+        if name not in inner.names and space.owners(name):
+            others = space.owners(name)
+            raise UserError(f"--param {name}: a parameter of the {' and '.join(others)} engine, not of "
+                            f"{params['engine']} (choose it with --param engine={others[0]})")
+        params[name] = inner.parse_value(name, value)
+    return params, set(given)
 
 
 def template_folders(family: Family) -> tuple[str, ...]:
@@ -473,21 +652,26 @@ def template_root(family: Family) -> str | None:
 
 
 def build_variant(family: Family, problem: Problem, params: Mapping[str, Any], target: Target) -> Variant:
-    """Validate params against the search space and the problem, then render the variant.
+    """Validate params against the search space and the problem, then render the variant (with
+    its engine's template, for a family with engines).
 
     Raises UserError naming the broken constraint when the point is invalid for this problem.
     """
     space = space_of(family)
     checked = space.check_values(params)
+    engine, own = engine_of(family, checked)
+    if family.engines and target.arch not in engine.archs:
+        raise UserError(f"{family.name} variant invalid for sm_{target.arch}: the {engine.name} engine is built for "
+                        f"{', '.join('sm_' + a for a in engine.archs)}")
     values = space.evaluate(checked, family.problem_values(problem, target))
-    broken = [c.why for c in space.constraints if not c.expression.evaluate(values)]
+    broken = space.violations(checked, family.problem_values(problem, target))
     if broken:
         raise UserError(f"{family.name} variant invalid for {problem.shape_text}: {broken[0]}")
-    name = family.variant_name(problem, checked)
-    launches, workspace = family.launches(problem, values, target)
-    args = {**family.template_args(problem, values), "name": name,
+    name = engine.variant_name(problem, own)
+    launches, workspace = engine.launches(problem, values, target)
+    args = {**engine.template_args(problem, values), "name": name,
             "kernel_names": [l.kernel for l in launches]}
-    source = render(family.template, args, template_root(family))
+    source = render(engine.template, args, template_root(family))
     return Variant(family.name, problem, target, checked, name, source, launches, workspace,
                    tuple(l.kernel for l in launches))
 
@@ -495,7 +679,10 @@ def build_variant(family: Family, problem: Problem, params: Mapping[str, Any], t
 def is_valid(family: Family, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
     """Whether params are declared values that satisfy every constraint for this problem."""
     space = space_of(family)
-    return not space.violations(space.check_values(params), family.problem_values(problem, target))
+    checked = space.check_values(params)
+    if family.engines and target.arch not in engine_of(family, checked)[0].archs:
+        return False
+    return not space.violations(checked, family.problem_values(problem, target))
 
 
 def valid_neighbours(family: Family, problem: Problem, target: Target, base: Mapping[str, Any],

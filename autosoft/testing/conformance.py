@@ -104,8 +104,13 @@ def test_declarations_are_complete(conformance_case: Case) -> None:
     source, _, _ = jinja2.FileSystemLoader(template_root(family) or _templates()).get_source(
         jinja2.Environment(), family.template)
     assert source.strip()
-    # the template digest covers every file it reads
+    # the template digest covers every file it reads, each engine's template included
     check_references(family.template, template_root(family), template_folders(family))
+    names = [engine.name for engine in family.engines]
+    assert len(set(names)) == len(names) and "engine" not in space_of(family).names[1:], "engines of distinct names"
+    for engine in family.engines:
+        assert set(engine.archs) <= set(family.archs), f"engine {engine.name}: archs the family builds for"
+        check_references(engine.template, template_root(family), template_folders(family))
 
 
 def _templates() -> str:
