@@ -233,6 +233,28 @@ def test_both_templates_include_common_files(loads):
         assert {"common/dtype.cuh.j2", "common/ptx.cuh.j2"} <= loads[template]
 
 
+ROW_PARTS = {"common/row_vector.cuh.j2", "common/row_reduce.cuh.j2", "common/row_combine.cuh.j2"}
+
+
+def test_row_families_read_the_shared_row_parts(loads):
+    for template in ("softmax/softmax.cu.j2", "softmax_backward/softmax_backward.cu.j2"):
+        assert ROW_PARTS <= loads[template], template
+
+
+@pytest.mark.parametrize("definition", [
+    "union vec_t", "void unpack(const vec_t", "vec_t pack(const float", "vec_t {{ name }}(const raw_t* p)",
+    "void store_vec(", "float group_reduce(", "float group_sum(", "void reduce_pair(",
+    "float load_from_block(const float*", "float2 load_pair_from_block(", "struct RowExchange"])
+def test_row_helpers_are_defined_once_in_common(definition):
+    """The vector access and the reductions of row-wise families live in common/ only: a family
+    that copied one into its own folder would find this test."""
+    from autosoft.render import templates_dir
+
+    root = templates_dir()
+    holders = [name for name in _template_files(root) if definition in (root / name).read_text()]
+    assert len(holders) == 1 and holders[0] in ROW_PARTS, holders
+
+
 def test_softmax_reads_one_include_per_chosen_strategy(strategy_points):
     softmax = strategy_points[0][0]
     for family, problem, target, params in strategy_points:
