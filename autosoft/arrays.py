@@ -149,6 +149,16 @@ def as_cupy(family: Family, arrays: Sequence[Any], who: str | None = None) -> li
     return out
 
 
+def not_on_gpu(who: str, name: str, tensor: Any) -> TypeError:
+    """The error for a torch tensor that is not on a CUDA device, naming where it is."""
+    kind = tensor.device.type
+    if kind == "meta":  # no data to move: made on the meta device, it must be made again on the GPU
+        return TypeError(f"{who}: {name} is a meta tensor (a shape without data); autosoft computes on CUDA "
+                         f"tensors (only torch.ops.autosoft's operators take meta tensors, for shape inference)")
+    return TypeError(f"{who}: {name} is a {'CPU' if kind == 'cpu' else kind} tensor; move it to the GPU first "
+                     f"({name}.cuda())")
+
+
 def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: Mapping[str, OptionValue],
              scalar_names: tuple[str, ...], who: str | None = None) -> Callable[..., tuple[Any, ...]]:
     """Check one call signature and return its plan: plan(arrays, scalar_values) -> outputs."""
@@ -342,7 +352,7 @@ class _TorchArrays(_Framework):
                 raise TypeError(f"{who}: {name} must be a torch tensor like the first argument, "
                                 f"not {type(a).__name__}")
             if not a.is_cuda:
-                raise TypeError(f"{who}: {name} is a CPU tensor; move it to the GPU first ({name}.cuda())")
+                raise not_on_gpu(who, name, a)
         if len({a.device for a in arrays}) != 1:
             raise ValueError(f"{who}: {', '.join(names)} must be on one device")
 
