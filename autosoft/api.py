@@ -12,6 +12,7 @@ q, k and v of two kinds are a type error, as they are a TypeError at run time.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
@@ -180,25 +181,43 @@ def load_cache(path: str) -> int:
     return DISPATCHER.load_cache(path)
 
 
+GENERIC_RETURNS = "Array | tuple[Array, ...]"
+"""A family function's return annotation where its family declares none (python_returns): the
+outputs the call names, one alone, several as a tuple, each of the kind of array given."""
+
+
 @functools.lru_cache(maxsize=None)
 def family_function(name: str) -> Callable[..., Any]:
-    """autosoft.<name>: the Python function of the family `name`, built from its python_call.
-    LookupError where no family of that name declares one."""
+    """autosoft.<name>: the Python function of the family `name`, built from its python_call (its
+    parameters and docstring; its return annotation the family's `python_returns`, else
+    GENERIC_RETURNS). While torch.compile traces, a call goes through the family's operator of the
+    same name where it declares one (autosoft.torch_ops), so that the graph holds one operator.
+    LookupError where no family of that name declares a Python function."""
     try:
         family = get_family(name)
     except UserError:
         raise LookupError(f"no family {name!r}") from None
     if not family.has_python_call:
         raise LookupError(f"the {name} family declares no Python function")
-    python_call, outputs = family.python_call, family.outputs
+    python_call, inputs, outputs = family.python_call, family.inputs, family.outputs
+    traced = any(op.name == name and op.family == name for op in getattr(family, "torch_operators", ()))
 
     @functools.wraps(python_call)
     def function(*args: Any, **kwargs: Any) -> Any:
         call = python_call(*args, **kwargs)
-        results = dict(zip(outputs, call_family(name, call.arrays, options=call.options, scalars=call.scalars)))
+        if traced and _compiling(call.arrays[0]):
+            from . import torch_ops
+
+            produced = torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)
+        else:
+            produced = call_family(name, call.arrays, options=call.options, scalars=call.scalars)
+        results = dict(zip(outputs, produced))
         picked = tuple(results[n] for n in call.returns)
         return picked[0] if len(picked) == 1 else picked
 
+    returns = getattr(family, "python_returns", None) or GENERIC_RETURNS
     function.__name__ = function.__qualname__ = name
     function.__module__ = "autosoft"
+    function.__annotations__ = {**python_call.__annotations__, "return": returns}
+    function.__signature__ = inspect.signature(python_call).replace(return_annotation=returns)  # type: ignore[attr-defined]
     return function

@@ -66,7 +66,7 @@ from .operators import OperatorCall, TorchOperator, declared_operators
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["register", "declared", "OPS"]
+__all__ = ["register", "declared", "call_operator", "OPS"]
 
 OPS: tuple[str, ...] = ()
 """The registered operators' names in torch.ops.autosoft, as the families declare them."""
@@ -74,6 +74,7 @@ OPS: tuple[str, ...] = ()
 _lock = threading.Lock()
 _declared: dict[str, TorchOperator] = {}  # registered operators by name
 _overloads: dict[str, Any] = {}  # their default overloads (torch.ops.autosoft.<name>.default)
+_arguments: dict[str, tuple[tuple[str, bool, Any], ...]] = {}  # their schemas' (name, a tensor, default) arguments
 _libs: list[Any] = []  # the torch.library.Library objects that hold the registrations (they last as long as these)
 
 
@@ -109,6 +110,8 @@ def register() -> None:
             kernels[op.name] = _autograd_kernel(torch, op, overload, real)
             lib.impl(op.name, kernels[op.name], "Autograd", with_keyset=True)
             _overloads[op.name] = overload
+            _arguments[op.name] = tuple((a.name, isinstance(a.type, torch.TensorType), a.default_value)
+                                        for a in overload._schema.arguments)
             _declared[op.name] = op
         _libs.append(lib)
         OPS = tuple(_declared)
@@ -123,6 +126,21 @@ def register() -> None:
 def declared(name: str) -> TorchOperator:
     """The declaration of the registered operator `name`; KeyError where none is."""
     return _declared[name]
+
+
+def call_operator(name: str, inputs: Sequence[str], arrays: Sequence[Any], options: Any, scalars: Any) -> Any:
+    """The outputs of operator `name` for a family function's call (base.Call): each schema argument
+    by its name, a tensor from the arrays (named by the family's `inputs`), a number from the
+    problem options or the run-time scalars, else the schema's default. What a family's Python
+    function calls while torch.compile traces, so that the graph holds the operator."""
+    given = {**dict(zip(inputs, arrays)), **options, **scalars}
+    values = [given[n] if tensor else _number(given.get(n, default)) for n, tensor, default in _arguments[name]]
+    return _overloads[name](*values)
+
+
+def _number(value: Any) -> Any:
+    """A run-time scalar (a NumPy number) as the schema's Python number; others as they are."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def __getattr__(name: str) -> Any:

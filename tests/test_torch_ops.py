@@ -10,9 +10,11 @@ on a CUDA fake tensor aborts the process on a CPU-only torch) the inputs are met
 reach only the fake implementations too. tests/test_gpu_torch_ops.py runs the real kernels."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ torch = pytest.importorskip("torch")
 import autosoft  # noqa: E402
 import autosoft.torch_ops as torch_ops  # noqa: E402
 from autosoft.autograd import no_backward_error  # noqa: E402
+from autosoft.operators import Backward, OperatorCall, TorchOperator  # noqa: E402
+from fault_family import FaultyFamily  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 ops = torch.ops.autosoft
@@ -92,6 +96,65 @@ def test_autosoft_alone_never_imports_torch_and_torch_ops_registers_on_import():
             "import autosoft.torch_ops, torch; torch.ops.autosoft.attention_colsum.default; print('ok')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+# --- a family's declaration is all it takes ----------------------------------------------------
+
+def _toy_call(x, scale):
+    if not scale > 0:
+        raise ValueError(f"autosoft.toy_scale: scale must be positive, got {scale}")
+    return OperatorCall((x,), {}, {"factor": np.float32(scale)})
+
+
+def _toy_gradient(ops, saved, grads):
+    return grads[0] * saved["scale"], None  # y = scale x
+
+
+class ToyFamily(FaultyFamily):
+    """A family defined here, with one operator: nothing in autosoft names it."""
+    name = "toy"
+    inputs = ("x", "factor")
+    torch_operators = (TorchOperator("toy_scale", "toy", "(Tensor x, float scale) -> Tensor", _toy_call,
+                                     backward=Backward(("scale",), _toy_gradient)),)
+
+
+def test_torch_ops_names_no_family_and_no_operator():
+    source = Path(torch_ops.__file__).read_text()
+    names = set(autosoft.families.families()) | set(torch_ops.OPS)
+    assert not [n for n in names if re.search(rf"\b{n}\b", source)]
+
+
+def test_a_family_that_declares_an_operator_gets_it_with_fake_and_autograd_kernels(monkeypatch):
+    """A family registered after import (a plug-in) gets its operator on the next register(): real,
+    fake and Autograd kernels from its declaration alone."""
+    monkeypatch.setitem(autosoft.families._registry, "toy", ToyFamily())
+    torch_ops.register()
+    assert "toy_scale" in torch_ops.OPS and torch_ops.toy_scale is ops.toy_scale.default
+    assert str(ops.toy_scale.default._schema) == "autosoft::toy_scale(Tensor x, float scale) -> Tensor"
+    with FakeTensorMode():  # the fake kernel: the family's caller_outputs
+        y = ops.toy_scale(fake_cuda(21), 2.0)
+        assert (y.shape, y.dtype, y.device.type) == ((21,), F32, "cuda")
+        with pytest.raises(ValueError, match=r"autosoft\.toy_scale: scale must be positive, got -1\.0"):
+            ops.toy_scale(fake_cuda(21), -1.0)
+        with pytest.raises(TypeError, match=r"autosoft\.toy_scale: unsupported dtype torch\.float16; use float32"):
+            ops.toy_scale(fake_cuda(21, dtype=F16), 1.0)
+    meta = torch.empty(5, device="meta")
+    assert set(torch.library.opcheck(ops.toy_scale.default, (meta, 3.0)).values()) == {"SUCCESS"}
+    seen = []  # the real kernel: the declared call through the array layer (a stand-in here)
+    monkeypatch.setattr(torch_ops, "call_family", lambda name, arrays, *, options=None, scalars=None, who=None:
+                        seen.append((name, options, scalars, who)) or (arrays[0] * float(scalars["factor"]),))
+    assert ops.toy_scale(torch.ones(3), 4.0).tolist() == [4.0] * 3
+    assert seen == [("toy", None, {"factor": np.float32(4.0)}, "autosoft.toy_scale")]
+    x = torch.ones(3, requires_grad=True)  # autograd: the declared formula
+    (dx,) = torch.autograd.grad(ops.toy_scale(x, 3.0).sum(), x)
+    assert dx.tolist() == [3.0] * 3
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda x: ops.toy_scale(x * 2, 0.5) + 1, backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        assert compiled(fake_cuda(16)).shape == (16,)
+    assert op_targets(graphs[0]) == ["autosoft.toy_scale"]
+    torch._dynamo.reset()
 
 
 # --- the fake implementations ----------------------------------------------------------------

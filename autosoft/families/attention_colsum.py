@@ -293,3 +293,4 @@ AttentionColsumFamily.torch_operators = (
                   "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)", _operator_call,
                   instead="scaled_dot_product_attention"),
 )
+AttentionColsumFamily.python_returns = "tuple[Array, Array] | tuple[Array, Array, Array]"  # (o, colsum[, lse])
