@@ -589,6 +589,23 @@ def test_the_public_softmax_functions_trace_as_the_operators(no_kernels, dim):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_family_function_traces_as_its_families_operator(no_kernels, return_lse):
+    """autosoft.attention_colsum is built from its family's python_call; while torch.compile traces,
+    it calls the family's operator with the call's arrays, options and scalars by their names."""
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda q, k, v: autosoft.attention_colsum(q, k, v, 5, causal=True, scale=0.25,
+                                                                       return_lse=return_lse),
+                             backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        outs = compiled(*[fake_cuda(1, 2, 16, 64, dtype=F16) for _ in range(3)])
+    assert [tuple(t.shape) for t in outs] == [(1, 2, 16, 64), (1, 2, 5)] + [(1, 2, 16)] * return_lse
+    (node,) = [n for n in graphs[0].graph.nodes if "autosoft" in str(n.target)]
+    assert str(node.target) == "autosoft.attention_colsum.default" and node.args[3:] == (5, True, 0.25, False)
+    torch._dynamo.reset()
+
+
 def test_dynamo_explain_counts_no_graph_break(no_kernels):
     torch._dynamo.reset()
     with FakeTensorMode():
