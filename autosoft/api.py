@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
 
 import numpy as np
@@ -198,8 +200,15 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     return (o, lse) if return_lse else o
 
 
-def load_cache(path: str) -> int:
-    """Use the tuned kernels of a cache file from another machine; returns the number of entries."""
+def load_cache(path: str | os.PathLike[str]) -> int:
+    """Use the tuned kernels of a cache file from another machine; returns the number of entries.
+    UserError for a folder, a missing file or one that is no cache (the file is never changed);
+    TypeError for anything but a path."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and os.fspath(path) \
+            and Path(path).expanduser().is_dir():
+        # said here, in the caller's terms: the cache's own message speaks to the command line (--cache)
+        raise UserError(f"autosoft.load_cache: {os.fspath(path)!r} is a folder; give the path of a cache file "
+                        f"(the kernels.sqlite that `autosoft tune` writes)")
     return DISPATCHER.load_cache(path)
 
 
