@@ -94,15 +94,16 @@ def register() -> None:
         if not new:
             return
         lib = torch.library.Library("autosoft", "FRAGMENT")
-        for op in new:
-            lib.define(op.name + op.schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _libs.append(lib)
         kernels = {}
-        for op in new:
-            overload = getattr(torch.ops.autosoft, op.name).default
+        for op in new:  # one at a time, each whole: a bad declaration leaves the others registered
+            schema = torch._C.parse_schema(f"autosoft::{op.name}{op.schema}")
             outputs = get_family(op.family).outputs
-            if len(overload._schema.returns) != len(outputs):
-                raise ValueError(f"torch operator {op.name}: its schema returns {len(overload._schema.returns)} "
-                                 f"tensors, the {op.family} family's outputs are {', '.join(outputs)}")
+            if len(schema.returns) != len(outputs):
+                raise ValueError(f"torch operator {op.name}: its schema returns {len(schema.returns)} tensors, the "
+                                 f"{op.family} family's outputs are {', '.join(outputs)}")
+            lib.define(op.name + op.schema, tags=(torch.Tag.pt2_compliant_tag,))
+            overload = getattr(torch.ops.autosoft, op.name).default
             real = _real_implementation(op, len(outputs) == 1)
             # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
             lib.impl(op.name, real, "CompositeExplicitAutograd")
@@ -111,10 +112,9 @@ def register() -> None:
             lib.impl(op.name, kernels[op.name], "Autograd", with_keyset=True)
             _overloads[op.name] = overload
             _arguments[op.name] = tuple((a.name, isinstance(a.type, torch.TensorType), a.default_value)
-                                        for a in overload._schema.arguments)
+                                        for a in schema.arguments)
             _declared[op.name] = op
-        _libs.append(lib)
-        OPS = tuple(_declared)
+            OPS = tuple(_declared)
         # where `autosoft native` built them: compiled AutogradCUDA kernels for the operators it names,
         # which fall back on the Python kernels above for what they do not take
         compiled = {op.name: (kernels[op.name], op.family, tuple(op.plan_options.items()))

@@ -157,6 +157,19 @@ def test_a_family_that_declares_an_operator_gets_it_with_fake_and_autograd_kerne
     torch._dynamo.reset()
 
 
+def test_an_operator_whose_schema_returns_other_than_the_family_outputs_is_refused(monkeypatch):
+    class TwoOutputs(FaultyFamily):
+        name = "toy_two"
+        torch_operators = (TorchOperator("toy_two", "toy_two", "(Tensor x) -> (Tensor a, Tensor b)",
+                                         lambda x: OperatorCall((x,))),)
+
+    monkeypatch.setitem(autosoft.families._registry, "toy_two", TwoOutputs())
+    with pytest.raises(ValueError, match=r"torch operator toy_two: its schema returns 2 tensors, the toy_two "
+                                         r"family's outputs are y"):
+        torch_ops.register()
+    assert "toy_two" not in torch_ops.OPS and not hasattr(ops, "toy_two")
+
+
 # --- the fake implementations ----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
