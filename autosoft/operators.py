@@ -5,9 +5,15 @@ operator and names no family; this module imports neither torch nor any family.
 A family declares its operators as the class attribute `torch_operators` (a tuple of
 TorchOperator), usually set at the bottom of its module, where the functions it names are defined:
 
+    def _along(x, dim):                                  # the operator's arguments -> the family's call
+        return OperatorCall((x,), dim=dim)
+
+    def _gradient(ops, saved, grads):                    # dx from the saved output y, and dim
+        return ops.softmax_backward(saved["y"], grads[0], saved["dim"], False), None
+
     SoftmaxFamily.torch_operators = (
-        TorchOperator("softmax", "softmax", "(Tensor x, int dim) -> Tensor", along_dim,
-                      backward=Backward(("y", "dim"), softmax_gradient), plan_options={}),
+        TorchOperator("softmax", "softmax", "(Tensor x, int dim) -> Tensor", _along,
+                      backward=Backward(("y", "dim"), _gradient), plan_options={}),
     )
 
 The operator torch.ops.autosoft.<name> then has
@@ -18,7 +24,10 @@ The operator torch.ops.autosoft.<name> then has
   `caller_outputs`: what torch.compile traces with;
 - an Autograd kernel: with a `backward`, the declared formula (AOTAutograd traces it into the
   backward graph); without one, inputs that require gradients are refused before anything runs.
-The operator returns every output of the family, in the order of `Family.outputs`.
+The operator returns every output of the family, in the order of `Family.outputs`. A family whose
+Python function (`Family.python_call`) has an operator of the family's own name is that operator
+while torch.compile traces (api.family_function): the schema's arguments are found by name among
+the call's arrays (the family's `inputs`), problem options and run-time scalars.
 """
 from __future__ import annotations
 
