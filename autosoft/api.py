@@ -104,6 +104,17 @@ def _through_operator(x: Any) -> bool:
     return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
+def _through_family_operator(arrays: Any) -> bool:
+    """Whether a family function's call on these arrays must go through its operator: torch.compile
+    traces it, or autograd records one of them."""
+    torch = sys.modules.get("torch")
+    if torch is None or not arrays or not isinstance(arrays[0], torch.Tensor):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in arrays)
+
+
 def _compiling(x: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
@@ -221,9 +232,10 @@ outputs the call names, one alone, several as a tuple, each of the kind of array
 def family_function(name: str) -> Callable[..., Any]:
     """autosoft.<name>: the Python function of the family `name`, built from its python_call (its
     parameters and docstring; its return annotation the family's `python_returns`, else
-    GENERIC_RETURNS). While torch.compile traces, a call goes through the family's operator of the
-    same name where it declares one (autosoft.torch_ops), so that the graph holds one operator.
-    LookupError where no family of that name declares a Python function."""
+    GENERIC_RETURNS). Where the family declares an operator of the same name (autosoft.torch_ops),
+    a call goes through it while torch.compile traces (the graph holds one operator) and while
+    autograd records a tensor that requires gradients (the operator's declared backward, or its
+    refusal). LookupError where no family of that name declares a Python function."""
     try:
         family = get_family(name)
     except UserError:
@@ -236,7 +248,7 @@ def family_function(name: str) -> Callable[..., Any]:
     @functools.wraps(python_call)
     def function(*args: Any, **kwargs: Any) -> Any:
         call = python_call(*args, **kwargs)
-        if traced and _compiling(call.arrays[0]):
+        if traced and _through_family_operator(call.arrays):
             from . import torch_ops
 
             produced = torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)

@@ -128,14 +128,17 @@ def declared(name: str) -> TorchOperator:
     return _declared[name]
 
 
-def call_operator(name: str, inputs: Sequence[str], arrays: Sequence[Any], options: Any, scalars: Any) -> Any:
-    """The outputs of operator `name` for a family function's call (base.Call): each schema argument
-    by its name, a tensor from the arrays (named by the family's `inputs`), a number from the
-    problem options or the run-time scalars, else the schema's default. What a family's Python
-    function calls while torch.compile traces, so that the graph holds the operator."""
+def call_operator(name: str, inputs: Sequence[str], arrays: Sequence[Any], options: Any,
+                  scalars: Any) -> tuple[Any, ...]:
+    """The outputs (a tuple, also of one) of operator `name` for a family function's call
+    (base.Call): each schema argument by its name, a tensor from the arrays (named by the family's
+    `inputs`), a number from the problem options or the run-time scalars, else the schema's default.
+    What a family's Python function calls while torch.compile traces (the graph holds the operator)
+    and while autograd records (the operator's backward)."""
     given = {**dict(zip(inputs, arrays)), **options, **scalars}
     values = [given[n] if tensor else _number(given.get(n, default)) for n, tensor, default in _arguments[name]]
-    return _overloads[name](*values)
+    outputs = _overloads[name](*values)
+    return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
 def _number(value: Any) -> Any:

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 import autosoft  # noqa: E402
 import autosoft.torch_ops as torch_ops  # noqa: E402
 from autosoft.autograd import no_backward_error  # noqa: E402
+from autosoft.families.base import Call  # noqa: E402
 from autosoft.operators import Backward, OperatorCall, TorchOperator  # noqa: E402
 from fault_family import FaultyFamily  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
@@ -100,22 +101,29 @@ def test_autosoft_alone_never_imports_torch_and_torch_ops_registers_on_import():
 
 # --- a family's declaration is all it takes ----------------------------------------------------
 
-def _toy_call(x, scale):
-    if not scale > 0:
-        raise ValueError(f"autosoft.toy_scale: scale must be positive, got {scale}")
-    return OperatorCall((x,), {}, {"factor": np.float32(scale)})
+def _toy_call(x, factor):
+    if not factor > 0:
+        raise ValueError(f"autosoft.toy_scale: factor must be positive, got {factor}")
+    return OperatorCall((x,), {}, {"factor": np.float32(factor)})
 
 
 def _toy_gradient(ops, saved, grads):
-    return grads[0] * saved["scale"], None  # y = scale x
+    return grads[0] * saved["factor"], None  # y = factor x
 
 
 class ToyFamily(FaultyFamily):
-    """A family defined here, with one operator: nothing in autosoft names it."""
+    """A family defined here, with one operator and a Python function: nothing in autosoft names it."""
     name = "toy"
     inputs = ("x", "factor")
-    torch_operators = (TorchOperator("toy_scale", "toy", "(Tensor x, float scale) -> Tensor", _toy_call,
-                                     backward=Backward(("scale",), _toy_gradient)),)
+    torch_operators = (
+        TorchOperator("toy_scale", "toy", "(Tensor x, float factor) -> Tensor", _toy_call,
+                      backward=Backward(("factor",), _toy_gradient)),
+        TorchOperator("toy", "toy", "(Tensor x, float factor) -> Tensor", _toy_call,
+                      backward=Backward(("factor",), _toy_gradient)),
+    )
+
+    def python_call(self, x, factor=1.0) -> Call:
+        return Call((x,), {}, {"factor": np.float32(factor)}, ("y",))
 
 
 def test_torch_ops_names_no_family_and_no_operator():
@@ -130,11 +138,11 @@ def test_a_family_that_declares_an_operator_gets_it_with_fake_and_autograd_kerne
     monkeypatch.setitem(autosoft.families._registry, "toy", ToyFamily())
     torch_ops.register()
     assert "toy_scale" in torch_ops.OPS and torch_ops.toy_scale is ops.toy_scale.default
-    assert str(ops.toy_scale.default._schema) == "autosoft::toy_scale(Tensor x, float scale) -> Tensor"
+    assert str(ops.toy_scale.default._schema) == "autosoft::toy_scale(Tensor x, float factor) -> Tensor"
     with FakeTensorMode():  # the fake kernel: the family's caller_outputs
         y = ops.toy_scale(fake_cuda(21), 2.0)
         assert (y.shape, y.dtype, y.device.type) == ((21,), F32, "cuda")
-        with pytest.raises(ValueError, match=r"autosoft\.toy_scale: scale must be positive, got -1\.0"):
+        with pytest.raises(ValueError, match=r"autosoft\.toy_scale: factor must be positive, got -1\.0"):
             ops.toy_scale(fake_cuda(21), -1.0)
         with pytest.raises(TypeError, match=r"autosoft\.toy_scale: unsupported dtype torch\.float16; use float32"):
             ops.toy_scale(fake_cuda(21, dtype=F16), 1.0)
@@ -155,6 +163,37 @@ def test_a_family_that_declares_an_operator_gets_it_with_fake_and_autograd_kerne
         assert compiled(fake_cuda(16)).shape == (16,)
     assert op_targets(graphs[0]) == ["autosoft.toy_scale"]
     torch._dynamo.reset()
+
+
+def test_a_family_function_with_gradients_goes_through_its_operators_declared_backward(monkeypatch):
+    """autosoft.toy (built from ToyFamily.python_call): plain calls take the array layer, calls that
+    autograd records take the operator named like the family, differentiated by its formula."""
+    import autosoft.api
+
+    monkeypatch.setitem(autosoft.families._registry, "toy", ToyFamily())
+    torch_ops.register()
+    taken = []
+
+    def stand_in(route):
+        def call_family(name, arrays, *, options=None, scalars=None, out=None, who=None):
+            taken.append(route)
+            return (arrays[0] * float(scalars["factor"]),)
+        return call_family
+
+    monkeypatch.setattr(autosoft.api, "call_family", stand_in("plan"))
+    monkeypatch.setattr(torch_ops, "call_family", stand_in("operator"))
+    toy = autosoft.api.family_function("toy")
+    try:
+        x = torch.ones(3, requires_grad=True)
+        y = toy(x, 3.0)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        assert dx.tolist() == [3.0] * 3 and type(y.grad_fn).__name__ == "toy_autogradBackward"
+        with torch.no_grad():
+            assert toy(x, 2.0).tolist() == [2.0] * 3
+        assert toy(x.detach(), 2.0).grad_fn is None
+        assert taken == ["operator", "plan", "plan"]
+    finally:
+        autosoft.api.family_function.cache_clear()
 
 
 def test_an_operator_whose_schema_returns_other_than_the_family_outputs_is_refused(monkeypatch):
