@@ -30,7 +30,7 @@ from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
 from .errors import UserError
 from .families import get_family
-from .families.attention import call_options
+from .families.attention import call_options, check_scale
 
 if TYPE_CHECKING:
     import cupy
@@ -197,9 +197,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     torch.ops.autosoft.attention."""
     refuse_gradients("attention", q, k, v)
     head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
-        raise ValueError(f"autosoft.attention: scale must be positive, got {scale}")
+    scale = check_scale(scale, head_dim, "autosoft.attention")
     options = call_options(causal, window, softcap)
     if _compiling(q):  # torch.compile sees one operator (autosoft.torch_ops), not the plan's Python
         from . import torch_ops

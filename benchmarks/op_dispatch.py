@@ -45,7 +45,9 @@ def per_call_us(fn: Callable[..., Any], x: Any, calls: int) -> float:
 
 
 def contenders(torch: Any) -> dict[str, Callable[..., Any]]:
-    from autosoft.torch_ops import _autograd_kernel
+    from dataclasses import replace
+
+    from autosoft.torch_ops import _autograd_kernel, declared
 
     schema = "(Tensor x, int dim) -> Tensor"
 
@@ -71,7 +73,8 @@ def contenders(torch: Any) -> dict[str, Callable[..., Any]]:
         lib.impl(name, impl, "CompositeExplicitAutograd")
         torch.library.register_fake(f"autosoft_bench::{name}", fake, lib=lib)
     ops = torch.ops.autosoft_bench
-    lib.impl("library", _autograd_kernel(torch, "softmax", ops.library.default, impl), "Autograd", with_keyset=True)
+    kernel = _autograd_kernel(torch, replace(declared("softmax"), plan_options=None), ops.library.default, impl)
+    lib.impl("library", kernel, "Autograd", with_keyset=True)
     torch.library.register_autograd("autosoft_bench::library_register_autograd", grad, setup_context=setup_context,
                                     lib=lib)
     contenders.lib = lib  # type: ignore[attr-defined]  # the registrations last as long as the Library

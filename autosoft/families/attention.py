@@ -475,8 +475,7 @@ ATTENTION = register(AttentionFamily())
 def _operator_call(q: Any, k: Any, v: Any, causal: bool, scale: float, window_left: int | None = None,
                    window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
     """What autosoft.attention runs for the same arguments (window=(window_left, window_right))."""
-    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
-        raise ValueError(f"autosoft.attention: scale must be positive, got {scale}")
+    scale = check_scale(scale, q.shape[-1], "autosoft.attention")
     window = None if window_left is None and window_right is None else (window_left, window_right)
     return OperatorCall((q, k, v), call_options(causal, window, softcap), {"scale": np.float32(scale)})
 

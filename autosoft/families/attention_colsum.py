@@ -343,8 +343,7 @@ ATTENTION_COLSUM = register(AttentionColsumFamily())
 def _operator_call(q: Any, k: Any, v: Any, split: int, causal: bool, scale: float,
                    deterministic: bool) -> OperatorCall:
     """What autosoft.attention_colsum runs for the same arguments."""
-    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
-        raise ValueError(f"autosoft.attention_colsum: scale must be positive, got {scale}")
+    scale = check_scale(scale, q.shape[-1], "autosoft.attention_colsum")
     return OperatorCall((q, k, v), {"causal": bool(causal), "split": int(split), "deterministic": bool(deterministic)},
                         {"scale": np.float32(scale)})
 

@@ -14,13 +14,16 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
 
 from ..compile import source_digest
 from ..dtypes import DTYPES, ITEMSIZE, check_dtype
 from ..errors import UserError
 from ..render import render, template_digest
 from ..space import EngineSpaces, ParamValue, SearchSpace, load_space
+
+if TYPE_CHECKING:
+    from ..operators import TorchOperator
 
 __all__ = [
     "DTYPES", "ITEMSIZE", "Call", "Engine", "Family", "Launch", "OptionValue", "Problem", "ProblemOption", "Target", "TensorMap",
@@ -256,6 +259,12 @@ class Family(abc.ABC):
     examples: ClassVar[tuple[tuple[str, str, Mapping[str, OptionValue]], ...]] = ()
     """(shape text, dtype, options) of problems that cover its edge cases: tiny, odd, large; the
     conformance suite checks defaults, seeds, rendering and compilation on them."""
+    torch_operators: ClassVar[tuple["TorchOperator", ...]] = ()
+    """The torch operators it declares (autosoft.operators): autosoft.torch_ops registers each
+    with its real, fake and autograd kernels; a declared Backward is the autograd formula."""
+    python_returns: ClassVar[str | None] = None
+    """The return annotation of its Python function, as text, where `python_call`'s own says
+    only Call (autosoft.<name>'s help() shows it)."""
 
     # --- problems ----------------------------------------------------------------------------
     @abc.abstractmethod
