@@ -291,7 +291,7 @@ class _Framework:
 class _TorchArrays(_Framework):
     def __init__(self, torch: Any) -> None:
         self.torch = torch
-        self._dtypes = {v: getattr(torch, v) for v in TORCH_NAMES.values()}
+        self._dtypes = {v: getattr(torch, v) for v in (*TORCH_NAMES.values(), "int32")}  # int32: index outputs
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         # the raw handle without building a torch Stream object (Triton reads it the same way)
         self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)

@@ -18,8 +18,11 @@ SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # in variant n
 
 # Quiet NaN bit patterns: output buffers are filled with them before a verification run, so an
 # element the kernel never writes is caught.
-POISON_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
-_BITS_TYPE = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
+# An int32 output (an index) gets the same bits: 2143289344, outside any index range.
+POISON_BITS = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0, "int32": 0x7FC00000}
+_BITS_TYPE = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16, "int32": np.uint32}
+# What a kernel may write besides the element types it reads: int32 (a router's expert indices).
+OUTPUT_DTYPES: tuple[str, ...] = DTYPES + ("int32",)
 
 # How each framework names the dtypes we take (str(dtype) of a torch tensor, of a CuPy array).
 TORCH_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}

@@ -28,7 +28,7 @@ import jinja2
 import pytest
 
 from ..compile import compile_source
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import UserError
 from ..export import kernel_parameters
 from ..families.base import (SUPPORTED_ARCHS, Family, Problem, Target, build_variant, space_of, template_folders,
@@ -226,7 +226,7 @@ def test_costs_and_outputs_are_consistent(conformance_case: Case) -> None:
         caller = family.caller_outputs(shapes, problem.dtype, dict(problem.options))
         assert set(caller) == set(family.outputs)
         for name, (shape, dtype) in specs.items():
-            assert dtype in DTYPES and caller[name][1] == dtype
+            assert dtype in OUTPUT_DTYPES and caller[name][1] == dtype
             assert _size(caller[name][0]) == _size(shape), f"{name}: caller and kernel shapes differ in size"
         assert family.problem_for(shapes, problem.dtype, dict(problem.options)) == problem
 

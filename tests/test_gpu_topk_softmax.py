@@ -1,0 +1,127 @@
+"""GPU tier: the topk_softmax family (the MoE router) on a real device. Variants are verified as the
+tuner verifies them (autosoft.evaluate.verify: every input kind, outputs poisoned first) for every
+expert count, k = 1 and k = E, both strategies, the DeepSeek-V3 grouped form, 1 and 65,536 tokens;
+then autosoft.topk_softmax through torch against torch's float64 composition, ties included."""
+from __future__ import annotations
+
+import pytest
+
+from autosoft.compile import compile_source
+from autosoft.evaluate import verify
+from autosoft.families import get_family
+from autosoft.families.base import Problem, build_variant, space_of
+
+pytestmark = pytest.mark.gpu
+
+FAMILY = get_family("topk_softmax")
+EXPERTS = (8, 16, 60, 64, 128, 160, 256, 384, 512)
+DEEPSEEK = {"k": 8, "renormalize": True, "n_group": 8, "topk_group": 4, "sigmoid": True, "bias": True}
+
+
+def _target():
+    from autosoft.runtime import device_info
+
+    return device_info().target
+
+
+def _verify(problem: Problem, points: list[dict]) -> None:
+    from autosoft.runtime import LoadedVariant
+
+    failures = []
+    for params in points:
+        variant = build_variant(FAMILY, problem, params, _target())
+        result = compile_source(variant.source, variant.target.arch)
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=11)
+        if wrong:
+            failures.append(f"{variant.name} on {problem.shape_text} {problem.dtype}: {wrong}")
+    assert not failures, "\n".join(failures)
+
+
+def _points(problem: Problem) -> list[dict]:
+    """The default and, of each strategy and token group size, one valid point."""
+    target = _target()
+    points = [FAMILY.default_params(problem, target)]
+    for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)):
+        if p["threads"] == 128 and not any(q["select"] == p["select"] and q["row_threads"] == p["row_threads"]
+                                           for q in points):
+            points.append(p)
+    return points
+
+
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_expert_count_with_k_1_16_and_e(experts, dtype):
+    for k in sorted({1, min(16, experts), experts}):
+        for renormalize in (True, False):
+            problem = FAMILY.problem(f"97x{experts}", dtype, {"k": k, "renormalize": renormalize})
+            _verify(problem, _points(problem) if k != experts else [FAMILY.default_params(problem, _target())])
+
+
+@pytest.mark.parametrize("options", [
+    DEEPSEEK,
+    {**DEEPSEEK, "sigmoid": False},
+    {"k": 8, "renormalize": True, "n_group": 8, "topk_group": 4},                  # DeepSeek-V2: group max
+    {"k": 6, "renormalize": False, "n_group": 8, "topk_group": 3, "sigmoid": True},
+    {"k": 4, "renormalize": True, "sigmoid": True, "bias": True},                   # no groups
+    {"k": 32, "renormalize": True, "n_group": 8, "topk_group": 1, "sigmoid": True, "bias": True},  # k = a group
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_grouped_form(options, dtype):
+    problem = FAMILY.problem("211x256", dtype, options)
+    _verify(problem, _points(problem))
+
+
+@pytest.mark.parametrize("shape", ["1x256", "65536x256", "65536x60", "1x8"])
+def test_one_token_and_65536_tokens(shape):
+    for options in ({"k": 8 if shape != "1x8" else 2, "renormalize": True}, DEEPSEEK):
+        if options is DEEPSEEK and not shape.endswith("x256"):
+            continue
+        problem = FAMILY.problem(shape, "bfloat16", options)
+        _verify(problem, _points(problem)[:4])
+
+
+def test_the_torch_function_matches_torchs_composition_with_ties():
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for experts in EXPERTS:
+        k = min(8, experts)
+        # integers in [-3, 3]: most tokens tie at the k-th place
+        x = torch.randint(-3, 4, (1000, experts), device="cuda", generator=gen).to(torch.bfloat16)
+        weights, indices = autosoft.topk_softmax(x, k)
+        assert weights.dtype == torch.float32 and indices.dtype == torch.int32
+        assert weights.shape == indices.shape == (1000, k)
+        ref = torch.sort(x.double(), dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(indices.long(), ref), f"E={experts}: ties must go to the lower index"
+        p = torch.softmax(x.double(), dim=-1).gather(1, ref)
+        torch.testing.assert_close(weights.double(), p / p.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
+        raw, _ = autosoft.topk_softmax(x.float().view(10, 100, experts), k, renormalize=False)
+        assert raw.shape == (10, 100, k)
+        torch.testing.assert_close(raw.view(1000, k).double(), p, rtol=1e-5, atol=1e-7)
+
+
+def test_the_torch_function_runs_deepseek_v3_routing():
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(256, device="cuda") * 0.1
+    weights, indices = autosoft.topk_softmax(x, 8, n_group=8, topk_group=4, scoring="sigmoid", bias=bias,
+                                             routed_scaling_factor=2.5)
+    scores = torch.sigmoid(x.double())
+    keys = scores + bias.double()
+    group = keys.view(4096, 8, 32).topk(2, dim=-1).values.sum(-1)
+    kept = torch.zeros_like(group).scatter_(1, group.topk(4, dim=-1).indices, 1.0).repeat_interleave(32, 1)
+    ref = keys.masked_fill(kept == 0, float("-inf")).topk(8, dim=-1).indices
+    same = (torch.sort(indices.long(), -1).values == torch.sort(ref, -1).values).all(-1)
+    assert same.float().mean() > 0.999, "all but fp32 near-ties choose as torch does"
+    w = scores.gather(1, indices.long())
+    torch.testing.assert_close(weights.double(), 2.5 * w / w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="float vector of the 256 experts"):
+        autosoft.topk_softmax(x, 8, n_group=8, topk_group=4, bias=bias[:255])
+    with pytest.raises(RuntimeError, match="no backward"):
+        autosoft.topk_softmax(x.float().requires_grad_(), 8)
+    empty_w, empty_i = autosoft.topk_softmax(x[:0], 8)
+    assert empty_w.shape == empty_i.shape == (0, 8)

@@ -1,0 +1,255 @@
+"""The topk_softmax family (the MoE router) on the CPU tier: problems and their argument errors, the
+search space for every expert count, rendering and NVRTC compilation of each selection strategy and
+form, the float64 reference against torch's composition (ties to the lower index), and `check`
+(NumPy standing in for CuPy) accepting the reference while rejecting wrong choices and weights."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autosoft.compile import compile_source
+from autosoft.errors import UserError
+from autosoft.families import get_family
+from autosoft.families.base import Target, build_variant, space_of
+from autosoft.families.topk_softmax import check_routing, reference_routing
+
+FAMILY = get_family("topk_softmax")
+EXPERTS = (8, 16, 60, 64, 128, 160, 256, 384, 512)
+DEEPSEEK = {"k": 8, "renormalize": True, "n_group": 8, "topk_group": 4, "sigmoid": True, "bias": True}
+FORMS = {
+    "plain": {"k": 4, "renormalize": True},
+    "plain_softmax_sum": {"k": 4},
+    "grouped_sigmoid_bias": {"k": 4, "renormalize": True, "n_group": 4, "topk_group": 2, "sigmoid": True, "bias": True},
+    "grouped_softmax": {"k": 4, "n_group": 4, "topk_group": 2},
+}
+
+
+# --- problems and argument errors ----------------------------------------------------------------
+
+def test_the_options_are_part_of_the_key():
+    problem = FAMILY.problem("4096x256", "bfloat16", DEEPSEEK)
+    assert problem.shape == (4096, 256)
+    assert problem.shape_text == "4096x256+bias+k=8+n_group=8+renormalize+sigmoid+topk_group=4"
+    assert FAMILY.parse_problem(problem.shape_text, "bfloat16") == problem
+    assert FAMILY.problem("4x60", "float32", {"k": 2}).shape_text == "4x60+k=2"
+
+
+@pytest.mark.parametrize("shape, options, message", [
+    ("4x8", {}, "needs --k"),
+    ("4x8", {"k": 0}, "outside 1 <= k <= 8"),
+    ("4x8", {"k": 9}, "outside 1 <= k <= 8"),
+    ("4x60", {"k": 2, "n_group": 7, "topk_group": 1}, "must divide the 60 experts"),
+    ("4x256", {"k": 2, "n_group": 64, "topk_group": 1}, "at most 32"),
+    ("4x256", {"k": 2, "n_group": 8, "topk_group": 9}, "outside 1 <= topk_group <= n_group=8"),
+    ("4x256", {"k": 65, "n_group": 8, "topk_group": 2}, "more than the 64 experts"),
+    ("4x16", {"k": 2, "n_group": 16, "topk_group": 4, "bias": True}, "two best experts"),
+    ("4x4096", {"k": 2}, "at most 2048 experts"),
+])
+def test_bad_problems_say_what_is_wrong_in_one_line(shape, options, message):
+    with pytest.raises(UserError, match=message) as caught:
+        FAMILY.problem(shape, "float32", options)
+    assert "\n" not in str(caught.value)
+
+
+def test_problem_for_flattens_tokens_and_shapes_the_outputs():
+    problem = FAMILY.problem_for({"logits": (2, 3, 60)}, "bfloat16", {"k": 6, "renormalize": True})
+    assert problem == FAMILY.problem("6x60", "bfloat16", {"k": 6, "renormalize": True})
+    assert FAMILY.caller_outputs({"logits": (2, 3, 60)}, "bfloat16", {"k": 6}) == {
+        "weights": ((2, 3, 6), "float32"), "indices": ((2, 3, 6), "int32")}
+    with pytest.raises(ValueError, match="k=7 is outside"):
+        FAMILY.problem_for({"logits": (5, 6)}, "float32", {"k": 7})
+    with pytest.raises(ValueError, match="scalar"):
+        FAMILY.problem_for({"logits": ()}, "float32", {"k": 1})
+
+
+def test_the_python_function_checks_its_arguments_before_any_kernel():
+    logits = np.zeros((4, 64), dtype=np.float32)
+    call = FAMILY.python_call(logits, 2)
+    assert call.options == {"k": 2, "renormalize": True, "n_group": 1, "topk_group": 1, "sigmoid": False,
+                            "bias": False}
+    assert call.scalars["bias"] == 0 and call.scalars["scale"] == np.float32(1.0)
+    assert call.returns == ("weights", "indices")
+    grouped = FAMILY.python_call(logits, 8, n_group=8, topk_group=4, scoring="sigmoid", routed_scaling_factor=2.5)
+    assert grouped.options["sigmoid"] and grouped.options["n_group"] == 8
+    assert grouped.scalars["scale"] == np.float32(2.5)
+    with pytest.raises(TypeError, match="k must be an int"):
+        FAMILY.python_call(logits, True)
+    with pytest.raises(TypeError, match="k must be an int"):
+        FAMILY.python_call(logits, 2.0)
+    with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid'"):
+        FAMILY.python_call(logits, 2, scoring="relu")
+    with pytest.raises(ValueError, match="n_group and topk_group together"):
+        FAMILY.python_call(logits, 2, n_group=8)
+    with pytest.raises(ValueError, match="routed_scaling_factor must be finite"):
+        FAMILY.python_call(logits, 2, routed_scaling_factor=float("nan"))
+    with pytest.raises(TypeError, match="bias must be a CuPy array"):
+        FAMILY.python_call(logits, 2, bias=np.zeros(64, dtype=np.float32))
+
+
+def test_a_torch_bias_is_checked_against_the_logits():
+    torch = pytest.importorskip("torch")
+    logits = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match="float vector of the 64 experts"):
+        FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=torch.zeros(63))
+    with pytest.raises(ValueError, match="float vector of the 64 experts"):
+        FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=torch.zeros(64, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bias must be a torch tensor"):
+        FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=np.zeros(64, dtype=np.float32))
+    with pytest.raises(RuntimeError, match="no backward"):
+        FAMILY.python_call(torch.zeros(4, 64, requires_grad=True), 2)
+    call = FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=torch.zeros(64))
+    assert call.options["bias"] and call.scalars["bias"] != 0
+
+
+# --- the search space ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_expert_count_has_a_valid_default_and_seeds(experts, dtype):
+    target = Target.for_arch("90")
+    for k in (1, min(16, experts), experts):
+        problem = FAMILY.problem(f"4096x{experts}", dtype, {"k": k, "renormalize": True})
+        default = FAMILY.default_params(problem, target)
+        assert FAMILY.is_valid(problem, target, default)
+        assert experts % default["vec"] == 0
+        seeds = FAMILY.seed_params(problem, target)
+        assert {s["select"] for s in seeds} == {"rescan", "sorted"}, "both strategies are measured first"
+
+
+def test_constraints_keep_rows_on_vector_boundaries_and_experts_in_registers():
+    target = Target.for_arch("90")
+    space = space_of(FAMILY)
+    sixty = FAMILY.problem("128x60", "bfloat16", {"k": 2})
+    valid = space.valid_points(FAMILY.problem_values(sixty, target))
+    assert valid and {p["vec"] for p in valid} == {1, 2, 4}, "60 experts: no vector of 8 fits a row"
+    wide = FAMILY.problem("128x512", "float32", {"k": 8})
+    assert not FAMILY.is_valid(wide, target, {"threads": 128, "row_threads": 1, "vec": 4, "select": "rescan"}), \
+        "512 experts on one thread would spill"
+    assert not FAMILY.is_valid(wide, target, {"threads": 64, "row_threads": 32, "vec": 8, "select": "rescan"}), \
+        "32 bytes is no load"
+    tiny = FAMILY.problem("128x8", "float32", {"k": 1})
+    assert not FAMILY.is_valid(tiny, target, {"threads": 128, "row_threads": 4, "vec": 4, "select": "rescan"}), \
+        "two vectors cannot feed four threads"
+
+
+# --- rendering and compiling -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("select", ["rescan", "sorted"])
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_each_strategy_and_form_compiles(form, select, arch):
+    target = Target.for_arch(arch)
+    problem = FAMILY.problem("1000x160", "bfloat16", FORMS[form])
+    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select}
+    variant = build_variant(FAMILY, problem, params, target)
+    assert variant.name == f"topk_softmax_bf16_t128_g8_v4_{select}"
+    assert ("const float* __restrict__ bias" in variant.source) == bool(FORMS[form].get("bias"))
+    result = compile_source(variant.source, arch)
+    assert result.ok, result.log[:2000]
+
+
+@pytest.mark.parametrize("shape, options", [("3x512", {"k": 512}), ("9x384", {"k": 16}), ("5x8", {"k": 8}),
+                                            ("2x256", DEEPSEEK)])
+def test_the_extremes_of_k_and_experts_compile(shape, options):
+    target = Target.for_arch("90")
+    problem = FAMILY.problem(shape, "float16", options)
+    for params in [FAMILY.default_params(problem, target)] + FAMILY.seed_params(problem, target)[:3]:
+        variant = build_variant(FAMILY, problem, params, target)
+        result = compile_source(variant.source, "90")
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+
+
+# --- the reference and the check -------------------------------------------------------------------
+
+def _torch_routing(problem, inputs):
+    """The float64 torch composition, ties to the lower index (a stable descending sort)."""
+    torch = pytest.importorskip("torch")
+    from autosoft.dtypes import to_float64
+
+    x = torch.from_numpy(to_float64(inputs["logits"], problem.dtype, np))
+    k = int(problem.option("k"))
+    if not (problem.option("sigmoid") or problem.option("bias") or int(problem.option("n_group", 1)) > 1):
+        index = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+        weights = torch.softmax(x, dim=-1).gather(1, index)
+    else:
+        scores = torch.sigmoid(x) if problem.option("sigmoid") else torch.softmax(x, dim=-1)
+        keys = scores + (torch.from_numpy(np.asarray(inputs["bias"], dtype=np.float64)) if problem.option("bias") else 0)
+        n_group, topk_group = int(problem.option("n_group", 1)), int(problem.option("topk_group", 1))
+        grouped = keys.view(x.shape[0], n_group, -1)
+        group = grouped.topk(2, dim=-1).values.sum(-1) if problem.option("bias") else grouped.max(-1).values
+        kept_groups = torch.sort(group, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        mask = torch.zeros_like(group).scatter_(1, kept_groups, 1.0).repeat_interleave(x.shape[1] // n_group, 1)
+        index = torch.sort(keys.masked_fill(mask == 0, float("-inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+        weights = scores.gather(1, index)
+    if problem.option("renormalize"):
+        weights = weights / weights.sum(-1, keepdim=True)
+    return index.numpy(), (weights * float(inputs["scale"])).numpy()
+
+
+PROBLEMS = [("1x8", "float32", {"k": 1}), ("1x8", "float32", {"k": 8}), ("37x60", "bfloat16", {"k": 6}),
+            ("37x160", "float16", {"k": 160, "renormalize": True}), ("64x384", "float32", {"k": 16}),
+            ("16x512", "bfloat16", {"k": 8, "renormalize": True}), ("64x256", "bfloat16", DEEPSEEK),
+            ("64x160", "float32", {"k": 6, "n_group": 8, "topk_group": 3}),
+            ("64x64", "float16", {"k": 4, "sigmoid": True, "bias": True, "renormalize": True})]
+
+
+@pytest.mark.parametrize("shape, dtype, options", PROBLEMS)
+def test_the_reference_is_torchs_composition_and_passes_the_check(shape, dtype, options):
+    problem = FAMILY.problem(shape, dtype, options)
+    for kind in FAMILY.input_kinds:
+        inputs = FAMILY.make_inputs(problem, kind, np, np.random.default_rng(7))
+        index, weights = reference_routing(problem, inputs, np)
+        torch_index, torch_weights = _torch_routing(problem, inputs)
+        assert (index == torch_index).all(), f"{kind}: the choice differs from torch's"
+        np.testing.assert_allclose(weights, torch_weights, rtol=1e-12, atol=0)
+        outputs = {"weights": weights.astype(np.float32), "indices": index.astype(np.int32)}
+        assert check_routing(problem, inputs, outputs, np) is None, kind
+
+
+def test_ties_go_to_the_lower_index():
+    problem = FAMILY.problem("1x8", "float32", {"k": 3, "renormalize": True})
+    inputs = {"logits": np.array([[1.0, 3.0, 2.0, 3.0, 2.0, 3.0, 0.0, 2.0]], dtype=np.float32), "bias": 0,
+              "scale": np.float32(1.0)}
+    index, weights = reference_routing(problem, inputs, np)
+    assert index.tolist() == [[1, 3, 5]]
+    np.testing.assert_allclose(weights, [[1 / 3] * 3])
+    swapped = {"weights": weights.astype(np.float32), "indices": np.array([[1, 5, 3]], dtype=np.int32)}
+    assert "choose wrongly" in check_routing(problem, inputs, swapped, np)
+    later = {"weights": weights.astype(np.float32), "indices": np.array([[1, 3, 2]], dtype=np.int32)}
+    assert "choose wrongly" in check_routing(problem, inputs, later, np)
+
+
+@pytest.mark.parametrize("shape, dtype, options", [PROBLEMS[2], PROBLEMS[6], PROBLEMS[7]])
+def test_the_check_rejects_wrong_routings(shape, dtype, options):
+    problem = FAMILY.problem(shape, dtype, options)
+    inputs = FAMILY.make_inputs(problem, "normal", np, np.random.default_rng(3))
+    index, weights = reference_routing(problem, inputs, np)
+    right = {"weights": weights.astype(np.float32), "indices": index.astype(np.int32)}
+
+    def changed(name, edit):
+        out = {n: a.copy() for n, a in right.items()}
+        edit(out[name])
+        return check_routing(problem, inputs, out, np)
+
+    assert "outside" in changed("indices", lambda a: a.__setitem__((3, 1), 0x7FC00000))  # unwritten (poisoned)
+    assert "twice" in changed("indices", lambda a: a.__setitem__((3, 1), a[3, 0]))
+    assert "choose wrongly" in changed("indices", lambda a: a.__setitem__((3, slice(0, 2)), a[3, 1::-1]))
+    assert "weights off" in changed("weights", lambda a: a.__setitem__((5, 2), a[5, 2] * 1.001))
+    assert "weights off" in changed("weights", lambda a: a.__setitem__((5, 2), np.nan))
+    # the next-best expert in place of the k-th: wrong unless it ties (normal inputs: never)
+    keys = np.sort(inputs["logits"].astype(np.float64), axis=1)
+    if not (problem.option("n_group") or problem.option("sigmoid")):
+        order = np.argsort(-inputs["logits"].astype(np.float64), axis=1, kind="stable")
+        assert "choose wrongly" in changed("indices", lambda a: a.__setitem__((0, -1), order[0, a.shape[1]]))
+        assert keys.size
+
+
+def test_fp32_near_ties_of_the_grouped_keys_pass():
+    """Keys that differ by less than fp32 rounding may come in either order from the kernel."""
+    problem = FAMILY.problem("1x8", "float32", {"k": 2, "sigmoid": True, "renormalize": True})
+    x = np.array([[0.0, 2.0, 2.0 + 2e-7, -1.0, -2.0, -3.0, -4.0, -5.0]], dtype=np.float32)
+    inputs = {"logits": x, "bias": 0, "scale": np.float32(1.0)}
+    index, weights = reference_routing(problem, inputs, np)
+    assert index.tolist() == [[2, 1]]
+    kernel = {"weights": weights[:, ::-1].astype(np.float32), "indices": np.array([[1, 2]], dtype=np.int32)}
+    assert check_routing(problem, inputs, kernel, np) is None
