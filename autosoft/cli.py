@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from . import __version__
+from ._version import __version__
 from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import families, get_family

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from . import __version__
+from ._version import __version__
 from .cache import Cache, Entry
 from .dispatch import cache_key
 from .errors import UserError

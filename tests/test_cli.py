@@ -269,6 +269,17 @@ def test_version_prints_the_version_and_exits_0(tmp_path):
     assert result.stdout == f"autosoft {autosoft.__version__}\n" and result.stderr == ""
 
 
+def test_the_version_is_one_number_in_autosoft_version_and_pyproject():
+    import tomllib
+
+    import autosoft
+    from autosoft import _version
+
+    declared = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert autosoft.__version__ is _version.__version__
+    assert _version.__version__ == declared["project"]["version"]
+
+
 def _cache_with_entries(path: Path, count: int) -> None:
     """count softmax entries, inserted in one transaction (put() commits each: slow for thousands)."""
     from dataclasses import asdict
