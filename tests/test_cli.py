@@ -352,6 +352,25 @@ def test_a_cache_dir_variable_naming_a_file_is_a_one_line_error(tmp_path, comman
     assert afile.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("extra", [[], ["--replay", "{cache}"], ["--gpus", "0"]])
+def test_tune_refuses_a_cache_file_as_its_storage_and_changes_nothing(tmp_path, extra):
+    """Optuna's tables went into the cache file (its `trials` table collides with Optuna's) and the
+    tune ended after a quarter-minute of retries with "connection lost"."""
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache = cache_dir / "kernels.sqlite"
+    Cache(cache).put(make_entry())
+    before = cache.read_bytes()
+    args = [a.format(cache=cache) for a in extra]
+    result = run_cli(["tune", "softmax", "--shape", "64x1000", "--storage", f"sqlite:///{cache}", *args],
+                     cache_dir, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "is an autosoft cache file, not an Optuna storage" in line and "Traceback" not in result.stderr
+    assert cache.read_bytes() == before
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["kernels.sqlite"]
+
+
 def _export_key(shape: str):
     """A float32 entry export will pick: for this machine's GPU when it has one (export prefers it)."""
     if not gpu_available():
