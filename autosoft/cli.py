@@ -542,7 +542,12 @@ def cmd_native(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     existed = not args.force and _native_built(native)
-    path = native.build(force=args.force, verbose=args.verbose)
+    try:
+        path = native.build(force=args.force, verbose=args.verbose)
+    except OSError as exc:  # the folder beside the cache cannot be made or written (read-only, /proc)
+        where = f" {exc.filename}" if exc.filename else ""
+        raise UserError(f"autosoft native: cannot write the build{where} ({exc.strerror or exc}); "
+                        "point AUTOSOFT_CACHE_DIR at a writable folder") from None
     took = "" if existed else f" in {time.perf_counter() - started:.0f} s"
     print(f"{'already built' if existed else 'built'}{took}: {path}")
     print("torch.ops.autosoft.softmax and log_softmax take it from the next `import autosoft.torch_ops` "

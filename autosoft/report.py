@@ -894,6 +894,15 @@ def build_report(out: Path, *, cache_path: Path | None = None, storage_url: str 
     import matplotlib
     matplotlib.use("Agg", force=True)  # files only: never a display
 
+    try:
+        return _write_report(out, analyses, source, start)
+    except OSError as exc:  # an unwritable place (/proc, a read-only folder) or a full disk
+        raise UserError(f"-o {out}: cannot write the report there ({exc.strerror or one_line(exc)}"
+                        f"{': ' + str(exc.filename) if exc.filename else ''})") from None
+
+
+def _write_report(out: Path, analyses: Sequence[Analysis], source: str, start: float) -> ReportResult:
+    """The PNGs and the page, each written whole (a temporary file, then a rename)."""
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     names: list[str] = []
@@ -909,12 +918,18 @@ def build_report(out: Path, *, cache_path: Path | None = None, storage_url: str 
     for name, draw in jobs:
         path = out / name
         tmp = out / f".{name}.{os.getpid()}.png"
-        draw(tmp)
-        os.replace(tmp, path)
+        try:
+            draw(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         written.append(path)
         names.append(name)
     page = render_page(analyses, source, names)
     tmp = out / f".index.{os.getpid()}.html"  # open() honours the umask, as the PNGs do
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out / "index.html")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out / "index.html")
+    finally:
+        tmp.unlink(missing_ok=True)
     return ReportResult(out / "index.html", tuple(written), len(analyses), time.perf_counter() - start)

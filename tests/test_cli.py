@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import gpu_available
-from helpers import cli_env, make_entry, run_cli, softmax_key
+from helpers import cli_env, make_entry, run_cli, run_cli_read_only_honoured, softmax_key
 
 from autosoft.cache import Cache
 
@@ -369,6 +369,38 @@ def test_tune_refuses_a_cache_file_as_its_storage_and_changes_nothing(tmp_path, 
     assert "is an autosoft cache file, not an Optuna storage" in line and "Traceback" not in result.stderr
     assert cache.read_bytes() == before
     assert sorted(p.name for p in cache_dir.iterdir()) == ["kernels.sqlite"]
+
+
+@pytest.mark.parametrize("locked", ["file", "folder"])
+def test_collect_into_a_read_only_cache_is_one_line_and_changes_nothing(tmp_path, locked):
+    from autosoft.batch import entry_record
+    from autosoft.board import Board
+    from autosoft.storage import open_storage
+
+    studies = tmp_path / "studies.sqlite"
+    storage = open_storage(f"sqlite:///{studies}", create=True)
+    board = Board(storage)
+    board.join(gpu="0", device="NVIDIA H200")
+    lease = board.claim("softmax/float32/64x1000/NVIDIA H200/90/13.0/a/b", board.snapshot())
+    board.finish(lease, {"problem": {"family": "softmax", "shape": "64x1000", "dtype": "float32"},
+                         "entry": entry_record(make_entry(softmax_key("64x1000"))), "trials": 1})
+    board.leave()
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    cache = folder / "kernels.sqlite"
+    Cache(cache)
+    before = cache.read_bytes()
+    (cache if locked == "file" else folder).chmod(0o444 if locked == "file" else 0o555)
+    try:
+        result = run_cli_read_only_honoured(["collect", "--storage", f"sqlite:///{studies}", "--cache", str(cache)],
+                                            tmp_path / "cache", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"autosoft: error: cache {cache}: cannot be written (") and result.stdout == ""
+    finally:
+        cache.chmod(0o644)
+        folder.chmod(0o755)
+    assert cache.read_bytes() == before and [p.name for p in folder.iterdir()] == ["kernels.sqlite"]
 
 
 def _export_key(shape: str):

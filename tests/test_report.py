@@ -28,7 +28,7 @@ from autosoft.report import PNG_KINDS, analyse, build_report, load_runs, read_be
 from autosoft.runners import ReplayRunner  # noqa: E402
 from autosoft.tune import study_storage, tune  # noqa: E402
 
-from helpers import run_cli  # noqa: E402
+from helpers import run_cli, run_cli_read_only_honoured  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -180,6 +180,24 @@ def test_bad_stores_give_one_line_and_write_nothing(tmp_path):
     a_file.write_text("keep")
     proc = run_cli(["report", "--cache", str(SWEEP), "-o", str(a_file)], tmp_path / "cache")
     assert proc.returncode == 2 and "is a file" in proc.stderr and a_file.read_text() == "keep"
+
+
+def test_an_unwritable_output_is_one_line_and_leaves_nothing(tmp_path):
+    """-o in /proc, or under a read-only folder, printed a traceback."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "keep").write_text("keep")
+    locked.chmod(0o555)
+    try:
+        for out in (Path("/proc/rep"), locked / "rep", locked):
+            proc = run_cli_read_only_honoured(["report", "--cache", str(SWEEP), "-o", str(out)], tmp_path / "cache")
+            assert proc.returncode == 2, proc.stderr
+            (line,) = proc.stderr.splitlines()
+            assert line.startswith(f"autosoft: error: -o {out}: cannot write the report there (") and proc.stdout == ""
+        assert not Path("/proc/rep").exists()
+        assert sorted(p.name for p in locked.iterdir()) == ["keep"], "no PNG, page or temporary file is left"
+    finally:
+        locked.chmod(0o755)
 
 
 def test_missing_libraries_name_the_extra(monkeypatch, tmp_path):
