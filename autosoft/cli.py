@@ -211,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra:  # argparse would blame the top-level parser; name the command that was meant
                 where = " ".join(w for w in ("autosoft", args.command, getattr(args, "family", None)) if w)
                 raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `{where} --help`)")
+            # every command, whether or not it reads the cache (render, list --storage) or finds the GPU
+            # first (tune): an AUTOSOFT_CACHE_DIR naming a file is a mistake to hear of at once
+            default_cache_path()
             code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render,
                     "report": cmd_report, "collect": cmd_collect, "native": cmd_native}[args.command](args)
             if sys.stdout is not None:

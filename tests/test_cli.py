@@ -338,14 +338,41 @@ def test_tilde_is_expanded_in_cache_and_output_of_every_command(tmp_path):
     assert not list(cwd.iterdir()), "no folder named ~ is made"
 
 
-@pytest.mark.parametrize("command", [["list"], ["export", "softmax", "--shape", "64x1000", "-o", "k.cu"]])
+CACHE_DIR_COMMANDS = {  # every command, in each form that reaches the cache differently or not at all
+    "tune": ["tune", "softmax", "--shape", "64x1000"],
+    "tune_replay": ["tune", "softmax", "--shape", "64x1000", "--replay", "{studies}"],
+    "tune_gpus": ["tune", "softmax", "--shape", "64x1000", "--gpus", "0"],
+    "list": ["list"],
+    "list_storage": ["list", "--storage", "sqlite:///{studies}"],
+    "collect": ["collect", "--storage", "sqlite:///{studies}"],
+    "export": ["export", "softmax", "--shape", "64x1000", "-o", "k.cu"],
+    "render": ["render", "softmax", "--shape", "64x1000"],
+    "report": ["report", "-o", "r"],
+    "report_storage": ["report", "--storage", "sqlite:///{studies}", "-o", "r"],
+    "native": ["native"],
+}
+
+
+def test_the_cache_dir_cases_name_every_command():
+    from autosoft.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert set(commands) == {args[0] for args in CACHE_DIR_COMMANDS.values()}
+
+
+@pytest.mark.parametrize("command", sorted(CACHE_DIR_COMMANDS))
 @pytest.mark.parametrize("below", ["", "sub"])
 def test_a_cache_dir_variable_naming_a_file_is_a_one_line_error(tmp_path, command, below):
+    from autosoft.storage import open_storage
+
     afile = tmp_path / "afile"
     afile.write_text("not a folder")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    result = _run_with_env(command, tmp_path / "cache", cwd, AUTOSOFT_CACHE_DIR=str(afile / below))
+    studies = tmp_path / "studies.sqlite"
+    open_storage(f"sqlite:///{studies}", create=True)
+    args = [a.format(studies=studies) for a in CACHE_DIR_COMMANDS[command]]
+    result = _run_with_env(args, tmp_path / "cache", cwd, AUTOSOFT_CACHE_DIR=str(afile / below))
     line = _assert_user_error(result, tmp_path / "cache", cwd)
     assert "AUTOSOFT_CACHE_DIR" in line and f"{afile} exists" not in line and f"{afile} is a file" in line
     assert "autosoft tune creates it" not in result.stdout + line and result.stdout == ""
