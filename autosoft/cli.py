@@ -578,8 +578,11 @@ def cmd_render(args: argparse.Namespace) -> int:
         name, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"--param {item!r}: expected NAME=VALUE, e.g. --param vec=4")
-        params[name.strip()] = space.parse_value(name.strip(), value)
-        given.add(name.strip())
+        name = name.strip()
+        if name in given:  # the last one used to win silently
+            raise UserError(f"--param {item!r}: {name} is given twice; give each parameter once")
+        params[name] = space.parse_value(name, value)
+        given.add(name)
     try:
         variant = build_variant(family, problem, params, target)
     except UserError as exc:

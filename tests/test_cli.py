@@ -36,6 +36,8 @@ ERROR_CASES = {
     "injected_param_value": ["render", "softmax", "--shape", "4x1024", "--param",
                              "storage=registers; system(\"id\")"],
     "param_without_equals": ["render", "softmax", "--shape", "4x1024", "--param", "vec"],
+    "param_given_twice": ["render", "softmax", "--shape", "4x1024", "--param", "vec=4", "--param", "vec=2"],
+    "param_given_twice_spaced": ["render", "softmax", "--shape", "4x1024", "--param", "vec=4", "--param", " vec =4"],
     "param_invalid_for_shape": ["render", "softmax", "--shape", "4x3", "--param", "vec=4"],
     "causal_softmax": ["render", "softmax", "--shape", "4x8", "--causal"],
     "unknown_command": ["frobnicate"],
@@ -81,6 +83,8 @@ def test_user_errors_are_one_line_exit_2_and_write_nothing(case, tmp_path):
         assert "float64" in line and "bfloat16" in line
     if case == "unknown_family":
         assert "softmaxx" in line and "softmax" in line.replace("softmaxx", "")
+    if case.startswith("param_given_twice"):
+        assert "vec is given twice" in line
     if case == "tune_trials_zero":
         assert "--trials" in line
 
