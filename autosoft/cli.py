@@ -299,6 +299,20 @@ def _gpu_list(text: str, replay: bool) -> list[str]:
     return gpus
 
 
+def _check_gpus_present(gpus: Sequence[str]) -> None:
+    """One line, before any file or worker process, when --gpus names a GPU this machine lacks (no
+    GPU at all: the workers each failed, and the batch said so in three lines). Counts the devices
+    without making a CUDA context here; with CUDA_VISIBLE_DEVICES set the workers' indices are the
+    machine's, which the count here cannot check."""
+    from .runtime import cupy_module
+
+    count = cupy_module().cuda.runtime.getDeviceCount()
+    missing = [g for g in gpus if int(g) >= count]
+    if missing and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        raise UserError(f"--gpus {','.join(gpus)}: this machine has {count} GPU{'' if count == 1 else 's'} "
+                        f"(indices 0 to {count - 1}); no GPU {','.join(missing)}")
+
+
 def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Watchdog) -> int:
     from .batch import BatchSpec, run_batch
     from .storage import check_url, default_storage_url, describe
@@ -306,11 +320,16 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
     if args.storage is not None:
         check_url(args.storage)  # a mistyped URL or a missing driver, before the GPU and any file
     gpus = _gpu_list(args.gpus, args.replay is not None) if args.gpus is not None else None
-    several = args.ray is not None or (gpus is not None and len(gpus) > 1)
-    if args.replay is None and gpus is None and args.ray is None:
-        from .runtime import device_info
+    # --gpus runs its workers in processes of their own beside this one (which draws the progress
+    # from the storage), even for one GPU: a journal file, as the storage table of README says
+    several = args.ray is not None or gpus is not None
+    if args.replay is None and args.ray is None:
+        if gpus is None:
+            from .runtime import device_info
 
-        device_info()  # fails with a clear message before any file is touched
+            device_info()  # fails with a clear message before any file is touched
+        else:
+            _check_gpus_present(gpus)
     if args.replay is not None and not args.replay.is_file():
         raise UserError(f"--replay {args.replay}: no such file")
     cache_path = args.cache or default_cache_path()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import gpu_available
 
 from autosoft.batch import BatchSpec, run_batch, stored_results
 from autosoft.board import Board
@@ -327,6 +328,10 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
         ("tune", "softmax", "--shape", "64x64", "--storage", "postgresql+nosuch://u@h/db"): "nosuch",
         ("tune", "softmax", "--shape", "64x64", "--replay-delay", "1"): "--replay-delay",
         ("tune", "softmax", "--shape", "64x64", "--gpus", "0", "--ray"): "give one of them",
+        # the workers each failed without a GPU, and the batch said so in three lines, exit 1
+        **({("tune", "softmax", "--shape", "64x64", "--gpus", "0"): "no CUDA device",
+            ("tune", "softmax", "--shape", "64x64", "--gpus", "1,0"): "no CUDA device"}
+           if not gpu_available() else {}),
         ("tune", "softmax", "--shape", "64x64", "--shape", "64x128", "--replay", tmp_path / "none.sqlite"):
             "no such file",
         ("tune", "--problems", tmp_path / "missing.yaml"): "missing.yaml",
@@ -336,6 +341,16 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and words in lines[0], (args, result.stderr)
     assert not (tmp_path / "k.sqlite").exists(), "nothing was created"
+
+
+def test_gpus_takes_the_journal_storage_even_for_one_gpu(tmp_path):
+    """README: the default for --gpus/--ray is <cache stem>-studies.log; --gpus 0 took SQLite."""
+    cache = tmp_path / "k.sqlite"
+    result = run_cli(["tune", "softmax", "--shape", FORTY[0].shape_text, "--dtype", FORTY[0].dtype, "--replay",
+                      RECORDING, "--trials", "3", "--cache", cache, "--gpus", "0"])
+    assert result.returncode == 0, result.stderr
+    assert f"storage journal://{tmp_path / 'k-studies.log'}" in result.stderr.splitlines()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k-studies.log", "k.sqlite"]
 
 
 def _running_worker_pid(storage) -> tuple[int, str] | None:
