@@ -134,6 +134,19 @@ class Cache:
         else:
             self._create()
 
+    @staticmethod
+    def holds_nothing(path: Path) -> bool:
+        """Whether the cache file at `path` holds no entry and no trial (read-only; False when it
+        cannot be read): a failed tune that created it may remove it."""
+        try:
+            uri = f"file:{urllib.parse.quote(str(Path(path).resolve()))}?mode=ro"
+            with closing(sqlite3.connect(uri, uri=True)) as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                return all(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] == 0
+                           for t in ("entries", "trials") if t in tables)
+        except sqlite3.DatabaseError:
+            return False
+
     # -- opening -----------------------------------------------------------------------
     def _connect(self, readonly: bool = False) -> sqlite3.Connection:
         if readonly:

@@ -299,6 +299,33 @@ def _gpu_list(text: str, replay: bool) -> list[str]:
     return gpus
 
 
+@contextlib.contextmanager
+def _no_empty_files_left(cache_path: Path, storage_url: str) -> Iterator[list[int]]:
+    """A tune that fails (an error, or exit 1 with nothing tuned) removes the cache file, the study
+    storage file and the folders it created for them when they hold nothing: no entry, no trial.
+    A file or folder that existed before is never touched, nor one a --resume could continue.
+    The caller puts its exit code in the list it is given."""
+    from .storage import holds_no_trial, local_file
+
+    studies = local_file(storage_url)
+    files = [p for p in (cache_path, studies) if p is not None and not p.exists()]
+    folders = [f for p in files for f in (p.parent, *p.parent.parents) if not f.exists()]
+    code: list[int] = []
+    failed = True
+    try:
+        yield code
+        failed = bool(code and code[0] != 0)
+    finally:
+        if failed:
+            if cache_path in files and cache_path.is_file() and Cache.holds_nothing(cache_path):
+                cache_path.unlink()
+            if studies in files and studies.is_file() and holds_no_trial(storage_url):
+                studies.unlink()
+            for folder in sorted(set(folders), key=lambda f: len(f.parts), reverse=True):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only when empty
+
+
 def _check_gpus_present(gpus: Sequence[str]) -> None:
     """One line, before any file or worker process, when --gpus names a GPU this machine lacks (no
     GPU at all: the workers each failed, and the batch said so in three lines). Counts the devices
@@ -343,15 +370,17 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
     print(f"tuning {count}, {args.trials} trials each, {where}"
           f"{' (replaying ' + str(args.replay) + ')' if args.replay else ''}; storage {describe(storage)}",
           file=sys.stderr)
-    with _sigterm_as_interrupt():  # `kill` or a scheduler's stop: workers give their problems back
+    with _no_empty_files_left(cache_path, storage) as code, _sigterm_as_interrupt():
+        # (SIGTERM: `kill` or a scheduler's stop: workers give their problems back)
         result = run_batch(spec, gpus=gpus, ray_address=args.ray or None, use_ray=args.ray is not None)
+        failed = [r for r in result.results if not r.get("entry")]
+        code.append(1 if result.missing or failed else 0)  # a dead worker whose problem another finished is no failure
     print_results(result.results)
     print(f"{len(result.results)} of {len(problems)} problems tuned in {result.seconds:.1f} s; "
           f"entries in {cache_path}" + (f" and in {describe(storage)}" if args.storage else ""))
     for p in result.missing:
         print(f"not finished: {p.family} {p.shape_text} {p.dtype}")
-    failed = [r for r in result.results if not r.get("entry")]
-    return 1 if result.missing or failed else 0  # a dead worker whose problem another finished is no failure
+    return code[0]
 
 
 @contextlib.contextmanager
@@ -405,15 +434,20 @@ def print_results(results: list) -> None:
 def _tune_one(args: argparse.Namespace, problem: Problem, watchdog: Watchdog) -> int:
     """One problem in this process: the detailed report (best, default, copy)."""
     from .runtime import device_info
+    from .storage import default_storage_url
     from .tune import params_text, print_progress, tune
 
     family = get_family(problem.family)
     device = device_info()  # fails with a clear message before any file is touched
-    cache = Cache(args.cache or default_cache_path())
-    print(f"tuning {family.name} {problem.shape_text} {problem.dtype} on {device.name} "
-          f"(sm_{device.compute_capability}, NVRTC {device.cuda_version}), {args.trials} trials", file=sys.stderr)
-    report = tune(family, problem, args.trials, cache, seed=args.seed, progress=print_progress(),
-                  resume=args.resume, watchdog=watchdog)
+    cache_path = args.cache or default_cache_path()
+    with _no_empty_files_left(cache_path, default_storage_url(cache_path, 1)) as code:
+        cache = Cache(cache_path)
+        print(f"tuning {family.name} {problem.shape_text} {problem.dtype} on {device.name} "
+              f"(sm_{device.compute_capability}, NVRTC {device.cuda_version}), {args.trials} trials",
+              file=sys.stderr)
+        report = tune(family, problem, args.trials, cache, seed=args.seed, progress=print_progress(),
+                      resume=args.resume, watchdog=watchdog)
+        code.append(0 if report.best is not None else 1)
     nbytes = family.bytes_moved(problem)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts().items()))
     resumed = f", {report.resumed} from the interrupted run" if report.resumed else ""

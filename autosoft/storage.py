@@ -140,6 +140,30 @@ def _driver_missing(shown: str, url: str, exc: ImportError) -> UserError:
     return UserError(f"storage {shown}: its database driver is missing ({one_line(exc)[:120]}): {hint}")
 
 
+def local_file(url: str) -> Path | None:
+    """The file of an SQLite or journal URL, None for a server's."""
+    url = str(url)
+    journal = _journal_path(url)
+    if journal is not None:
+        return journal
+    return _sqlite_path(url) if url.startswith("sqlite:///") else None
+
+
+def holds_no_trial(url: str) -> bool:
+    """Whether the storage file of `url` holds no trial of any study: nothing a --resume could
+    continue, so a failed tune that created it may remove it. False when it cannot be read."""
+    path = local_file(url)
+    if path is None or not path.is_file():
+        return False
+    if path.stat().st_size == 0:
+        return True
+    try:
+        storage = open_storage(url)
+        return all(storage.get_n_trials(s._study_id) == 0 for s in storage.get_all_studies())
+    except Exception:  # noqa: BLE001 - unreadable: not ours to judge empty
+        return False
+
+
 # --- opening -------------------------------------------------------------------------------------
 
 def open_storage(url: str, *, create: bool = False) -> BaseStorage:

@@ -434,6 +434,31 @@ def test_collect_into_a_read_only_cache_is_one_line_and_changes_nothing(tmp_path
     assert cache.read_bytes() == before and [p.name for p in folder.iterdir()] == ["kernels.sqlite"]
 
 
+@pytest.mark.parametrize("shapes", [["64x1000"], ["64x1000", "64x2000"]])
+def test_a_failed_tune_leaves_no_empty_cache_or_studies_behind(tmp_path, shapes):
+    """kernels.sqlite and kernels-studies.sqlite were left empty after a tune that failed; what
+    existed before the tune stays as it was."""
+    from autosoft.storage import open_storage
+
+    recording = tmp_path / "recording.sqlite"
+    Cache(recording)  # a cache without trials: the replay fails after the files were made
+    args = ["tune", "softmax", *[a for shape in shapes for a in ("--shape", shape)], "--replay", str(recording)]
+    cache_dir = tmp_path / "new" / "cache"
+    result = run_cli(args, cache_dir, cwd=tmp_path)
+    assert result.returncode == 2 and "no recorded trials" in result.stderr.splitlines()[-1], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recording.sqlite"], "the folders it made are gone too"
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    Cache(kept / "kernels.sqlite")
+    open_storage(f"sqlite:///{kept / 'kernels-studies.sqlite'}", create=True)  # no study, no trial
+    before = (kept / "kernels.sqlite").read_bytes()
+    result = run_cli(args, kept, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["kernels-studies.sqlite", "kernels.sqlite"]
+    assert (kept / "kernels.sqlite").read_bytes() == before
+
+
 def _export_key(shape: str):
     """A float32 entry export will pick: for this machine's GPU when it has one (export prefers it)."""
     if not gpu_available():
