@@ -359,6 +359,10 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
             _check_gpus_present(gpus)
     if args.replay is not None and not args.replay.is_file():
         raise UserError(f"--replay {args.replay}: no such file")
+    if args.ray is not None:
+        from .ray_workers import check_reachable
+
+        check_reachable(args.ray or None)  # before any file: ray.init retries an unreachable one for minutes
     cache_path = args.cache or default_cache_path()
     storage = args.storage or default_storage_url(cache_path, 2 if several else 1)
     spec = BatchSpec(problems=tuple(problems), trials=args.trials, cache=str(cache_path), storage=storage,

@@ -474,6 +474,30 @@ def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
     assert all(r["gpu"].startswith("ray:") for r in result.results)
 
 
+def test_ray_at_an_address_nobody_answers_is_one_line_at_once(tmp_path):
+    """--ray 127.0.0.1:1 hung for minutes printing Ray's own warnings."""
+    pytest.importorskip("ray")
+    import socket
+
+    from autosoft.errors import UserError
+    from autosoft.ray_workers import check_reachable
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: refused
+        started = time.monotonic()
+        result = run_cli(["tune", "softmax", "--shape", "64x64", "--replay", RECORDING, "--cache", tmp_path / "k.sqlite",
+                          "--ray", f"127.0.0.1:{port}"], timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"autosoft: error: --ray 127.0.0.1:{port}: no Ray cluster there (connection refused)")
+    assert time.monotonic() - started < 30 and not list(tmp_path.iterdir())
+    with pytest.raises(UserError, match="connection refused"):
+        check_reachable(f"ray://127.0.0.1:{port}")  # Ray Client's form of the address
+    with pytest.raises(UserError, match="expected HOST:PORT"):
+        check_reachable("headnode")
+
+
 def test_an_interrupted_batch_resumes_where_it_stopped(tmp_path, sigint_handled):
     three = FORTY[:3]
     problems = tmp_path / "problems.yaml"
