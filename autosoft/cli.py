@@ -644,8 +644,18 @@ def cmd_render(args: argparse.Namespace) -> int:
         variant = build_variant(family, problem, params, target)
     except UserError as exc:
         raise UserError(f"{exc}{_defaults_in_play(family, problem, target, params, given)}") from None
-    sys.stdout.write(variant.source)
+    sys.stdout.write(with_build_lines(variant.source, variant.target.arch))
     return 0
+
+
+def with_build_lines(source: str, arch: str) -> str:
+    """The source with comment lines saying how to build it (compile.build_lines) at the end of its
+    leading comment: a Hopper kernel needs its own nvcc target, which plain -arch=sm_90a is not."""
+    from .compile import build_lines
+
+    lines = source.split("\n")
+    head = next((i for i, line in enumerate(lines) if not line.startswith("//")), len(lines))
+    return "\n".join([*lines[:head], *(f"// {line}" for line in build_lines(source, arch)), *lines[head:]])
 
 
 def _defaults_in_play(family: Family, problem: Problem, target: Target, params: dict, given: set[str]) -> str:

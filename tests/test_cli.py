@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import gpu_available
-from helpers import cli_env, make_entry, run_cli, run_cli_read_only_honoured, softmax_key
+from helpers import cli_env, make_entry, nvcc_path, run_cli, run_cli_read_only_honoured, softmax_key
 
 from autosoft.cache import Cache
 
@@ -142,6 +142,39 @@ def test_render_output_compiles_and_respects_arch(tmp_path):
         assert result.returncode == 0, result.stderr
         compiled = compile_source(result.stdout, arch)
         assert compiled.ok, compiled.log
+
+
+@pytest.mark.parametrize("args", [["softmax", "--shape", "64x1000", "--arch", "80"],
+                                  ["attention", "--shape", "1x2x256x128", "--dtype", "bfloat16",
+                                   "--param", "engine=wgmma"]])
+def test_render_says_how_to_build_its_output_and_that_builds(tmp_path, args):
+    """A wgmma source carried no build line, and plain -arch=sm_90a fails in ptxas."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from autosoft.compile import REJECTED_PTXAS_WARNINGS
+
+    result = run_cli(["render", *args], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    source = result.stdout
+    head = source[:source.index("\n#") if "\n#" in source else len(source)].splitlines()
+    (build,) = [l[len("// build: "):] for l in head if l.startswith("// build: ")]
+    (options,) = [l[len("// NVRTC options: "):].split() for l in head if l.startswith("// NVRTC options: ")]
+    wgmma = "engine=wgmma" in args
+    assert ("-gencode=arch=compute_90a,code=sm_90a" in build.split()) == wgmma and "-arch=sm_90a" not in build
+    prog = nvrtc.createProgram(source, "k.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, options)  # exactly the options the line gives
+        assert not REJECTED_PTXAS_WARNINGS.search(nvrtc.getProgramLog(prog))
+        assert len(nvrtc.getCUBIN(prog)) > 1000
+    finally:
+        nvrtc.destroyProgram(prog)
+    nvcc = nvcc_path()
+    if nvcc is not None:
+        (tmp_path / "k.cu").write_text(source)
+        command = build.replace("<this file>", "k.cu").split()
+        built = subprocess.run([nvcc, *command[1:], "-o", "k.o"], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=300)
+        assert built.returncode == 0, built.stderr
 
 
 def test_list_with_no_cache(tmp_path):
