@@ -200,6 +200,16 @@ def test_an_unwritable_output_is_one_line_and_leaves_nothing(tmp_path):
         locked.chmod(0o755)
 
 
+def test_every_package_folder_ships():
+    """report became a package (loading, analysis, figures, page): a non-editable install ships only
+    the packages pyproject.toml lists, and would have lost it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "autosoft").rglob("__init__.py")}
+    assert "autosoft.report" in folders and folders <= listed
+
+
 def test_missing_libraries_name_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "plotly", None)  # import plotly now raises ImportError
     with pytest.raises(UserError, match=r"pip install 'autosoft\[report\]'"):
