@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import typing as _typing
 
-__version__ = "0.1.0"
-
+from ._version import __version__  # noqa: E402
 from .api import attention, load_cache, log_softmax, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
 

@@ -6,7 +6,7 @@ CUDA_VISIBLE_DEVICES and with its own compile pool, for --gpus; one Ray task per
 and every worker runs run_worker() against the same Optuna storage:
 
 - it takes the longest problem nobody alive holds (the board, board.py: leases in the storage),
-  tunes it through the tuner's own parts (tune.py), and writes the result on the board, then
+  tunes it through the tuner's own pipeline (tune.tune_problem), writes the result on the board, then
   the next; problems are handed out as workers come free, never dealt in advance;
 - when every problem left is held, it helps the one held problem with the most trials left:
   the study is shared, so several GPUs of one model measure one large problem's trials, and its
@@ -195,49 +195,21 @@ def _open(spec: BatchSpec, problem: Problem, runner: Runner, cache: Cache, stora
 
 def _own(spec: BatchSpec, problem: Problem, lease: Any, board: Board, runner: Runner, cache: Cache,
          storage: Any, label: str) -> int:
-    """Tune a claimed problem to its result: the default, the trials (shared with helpers), the
-    wait for helpers' trials in flight, the finalists re-timed here, the entry, the result."""
-    from .tune import (confirm_best, evaluation_launches, make_entry, measure_default, resumed_trials,
-                       run_trials)
+    """Tune a claimed problem to its result through the tuner's own pipeline (tune.tune_problem),
+    its study shared with the helpers, then write the result on the board. The trials this
+    worker measured."""
+    from .tune import SharedStudy, tune_problem
 
-    start = time.perf_counter()
     fresh = spec.fresh and lease.generation == 0
-    family, device, search, ledger = _open(spec, problem, runner, cache, storage, board, resume=not fresh,
-                                           seed=spec.seed)
-    target = device.target
-    before = len(ledger.measured)
-    default = measure_default(family, problem, target, runner, search, ledger, spec.seed, spec.watchdog.cap_s)
-    timeout_s = spec.watchdog.limit(default.outcome.time_us, evaluation_launches(family))
-    while True:
-        run_trials(family, problem, target, runner, search, ledger, spec.trials, spec.seed, timeout_s)
-        search.refresh()  # helpers' trials, and dead workers' trials reaped (this worker re-runs those)
-        if search.spent() < spec.trials and not search.exhausted:
-            continue
-        if search.running_elsewhere == 0:
-            break
-        time.sleep(spec.poll_s)
-    measured = resumed_trials(search, family, problem, target)
-    ok = [m for m in measured if m.outcome.ok]
-    confirmed = confirm_best(family, runner, measured, timeout_s, default)
-    if confirmed:
-        best, default = confirmed[0], confirmed[1] or default
-    else:
-        best = min(ok, key=lambda m: m.outcome.time_us) if ok else None
-    copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
-    peak = runner.peak_tflops() if family.flops(problem) else None
-    if peak is not None:
-        search.note("peak_tflops", peak)
-    entry = None
-    if best is not None:
-        entry = make_entry(family, problem, device, best, default, copy_us)
-        cache.put(entry)
-        runner.keep(best.variant)
+    report = tune_problem(get_family(problem.family), problem, spec.trials, cache, runner, seed=spec.seed,
+                          resume=not fresh, watchdog=spec.watchdog,
+                          shared=SharedStudy(storage, board.worker, board.live, spec.poll_s))
     record = {"problem": {"family": problem.family, "shape": problem.shape_text, "dtype": problem.dtype},
-              "entry": entry_record(entry) if entry else None, "peak_tflops": peak,
-              "trials": len(measured), "seconds": round(time.perf_counter() - start, 3), "gpu": label,
-              "reaped": search.reaped}
+              "entry": entry_record(report.entry) if report.entry else None, "peak_tflops": report.peak_tflops,
+              "trials": len(report.trials), "seconds": round(report.seconds, 3), "gpu": label,
+              "reaped": report.reaped}
     board.finish(lease, record)
-    return len(ledger.measured) - before
+    return report.measured_here
 
 
 def _help(spec: BatchSpec, todo: Sequence[tuple[Problem, str]], snap: Snapshot, board: Board,

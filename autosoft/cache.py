@@ -8,6 +8,7 @@ space before they are rendered again.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -133,6 +134,19 @@ class Cache:
         else:
             self._create()
 
+    @staticmethod
+    def holds_nothing(path: Path) -> bool:
+        """Whether the cache file at `path` holds no entry and no trial (read-only; False when it
+        cannot be read): a failed tune that created it may remove it."""
+        try:
+            uri = f"file:{urllib.parse.quote(str(Path(path).resolve()))}?mode=ro"
+            with closing(sqlite3.connect(uri, uri=True)) as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                return all(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] == 0
+                           for t in ("entries", "trials") if t in tables)
+        except sqlite3.DatabaseError:
+            return False
+
     # -- opening -----------------------------------------------------------------------
     def _connect(self, readonly: bool = False) -> sqlite3.Connection:
         if readonly:
@@ -177,13 +191,28 @@ class Cache:
             return False  # not SQLite at all: _validate says so
 
     def _create(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cache {self.path}: cannot create its folder ({exc.strerror or one_line(exc)}); "
+                            "pass another --cache") from None
         # one transaction: a concurrent opener sees either nothing or the whole schema with its meta rows
-        with closing(self._connect()) as conn:
+        with self._writing() as conn:
             conn.executescript(
                 "BEGIN IMMEDIATE;" + _SCHEMA
                 + f"INSERT OR IGNORE INTO meta VALUES ('app', '{APP_ID}');"
                 + f"INSERT OR IGNORE INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}');COMMIT;")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """A connection for one transaction; a file or folder that cannot be written (read-only,
+        a full disk) is a one-line UserError naming the file, and nothing of the transaction stays."""
+        try:
+            with closing(self._connect()) as conn, conn:
+                yield conn
+        except sqlite3.OperationalError as exc:
+            raise UserError(f"cache {self.path}: cannot be written ({one_line(exc)}); "
+                            "make it writable or pass another --cache") from None
 
     # -- entries -----------------------------------------------------------------------
     def put(self, entry: Entry) -> bool:
@@ -195,7 +224,7 @@ class Cache:
         sql = (f"INSERT INTO entries ({cols}) VALUES ({marks}) "
                f"ON CONFLICT ({', '.join(_KEY_FIELDS)}) DO UPDATE SET {updates} "
                "WHERE excluded.time_us < entries.time_us")
-        with closing(self._connect()) as conn, conn:
+        with self._writing() as conn:
             cur = conn.execute(sql, row)
             return cur.rowcount > 0
 
@@ -227,7 +256,7 @@ class Cache:
     def record_trials(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        with closing(self._connect()) as conn, conn:
+        with self._writing() as conn:
             conn.executemany(
                 "INSERT INTO trials VALUES (:family, :dtype, :shape, :gpu_name, :variant_name, :params, "
                 ":status, :time_us, :message, :created)",

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from . import __version__
+from ._version import __version__
 from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import families, get_family
@@ -211,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra:  # argparse would blame the top-level parser; name the command that was meant
                 where = " ".join(w for w in ("autosoft", args.command, getattr(args, "family", None)) if w)
                 raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `{where} --help`)")
+            # every command, whether or not it reads the cache (render, list --storage) or finds the GPU
+            # first (tune): an AUTOSOFT_CACHE_DIR naming a file is a mistake to hear of at once
+            default_cache_path()
             code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render,
                     "report": cmd_report, "collect": cmd_collect, "native": cmd_native}[args.command](args)
             if sys.stdout is not None:
@@ -296,6 +299,47 @@ def _gpu_list(text: str, replay: bool) -> list[str]:
     return gpus
 
 
+@contextlib.contextmanager
+def _no_empty_files_left(cache_path: Path, storage_url: str) -> Iterator[list[int]]:
+    """A tune that fails (an error, or exit 1 with nothing tuned) removes the cache file, the study
+    storage file and the folders it created for them when they hold nothing: no entry, no trial.
+    A file or folder that existed before is never touched, nor one a --resume could continue.
+    The caller puts its exit code in the list it is given."""
+    from .storage import holds_no_trial, local_file
+
+    studies = local_file(storage_url)
+    files = [p for p in (cache_path, studies) if p is not None and not p.exists()]
+    folders = [f for p in files for f in (p.parent, *p.parent.parents) if not f.exists()]
+    code: list[int] = []
+    failed = True
+    try:
+        yield code
+        failed = bool(code and code[0] != 0)
+    finally:
+        if failed:
+            if cache_path in files and cache_path.is_file() and Cache.holds_nothing(cache_path):
+                cache_path.unlink()
+            if studies in files and studies.is_file() and holds_no_trial(storage_url):
+                studies.unlink()
+            for folder in sorted(set(folders), key=lambda f: len(f.parts), reverse=True):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only when empty
+
+
+def _check_gpus_present(gpus: Sequence[str]) -> None:
+    """One line, before any file or worker process, when --gpus names a GPU this machine lacks (no
+    GPU at all: the workers each failed, and the batch said so in three lines). Counts the devices
+    without making a CUDA context here; with CUDA_VISIBLE_DEVICES set the workers' indices are the
+    machine's, which the count here cannot check."""
+    from .runtime import cupy_module
+
+    count = cupy_module().cuda.runtime.getDeviceCount()
+    missing = [g for g in gpus if int(g) >= count]
+    if missing and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        raise UserError(f"--gpus {','.join(gpus)}: this machine has {count} GPU{'' if count == 1 else 's'} "
+                        f"(indices 0 to {count - 1}); no GPU {','.join(missing)}")
+
+
 def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Watchdog) -> int:
     from .batch import BatchSpec, run_batch
     from .storage import check_url, default_storage_url, describe
@@ -303,13 +347,22 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
     if args.storage is not None:
         check_url(args.storage)  # a mistyped URL or a missing driver, before the GPU and any file
     gpus = _gpu_list(args.gpus, args.replay is not None) if args.gpus is not None else None
-    several = args.ray is not None or (gpus is not None and len(gpus) > 1)
-    if args.replay is None and gpus is None and args.ray is None:
-        from .runtime import device_info
+    # --gpus runs its workers in processes of their own beside this one (which draws the progress
+    # from the storage), even for one GPU: a journal file, as the storage table of README says
+    several = args.ray is not None or gpus is not None
+    if args.replay is None and args.ray is None:
+        if gpus is None:
+            from .runtime import device_info
 
-        device_info()  # fails with a clear message before any file is touched
+            device_info()  # fails with a clear message before any file is touched
+        else:
+            _check_gpus_present(gpus)
     if args.replay is not None and not args.replay.is_file():
         raise UserError(f"--replay {args.replay}: no such file")
+    if args.ray is not None:
+        from .ray_workers import check_reachable
+
+        check_reachable(args.ray or None)  # before any file: ray.init retries an unreachable one for minutes
     cache_path = args.cache or default_cache_path()
     storage = args.storage or default_storage_url(cache_path, 2 if several else 1)
     spec = BatchSpec(problems=tuple(problems), trials=args.trials, cache=str(cache_path), storage=storage,
@@ -321,15 +374,17 @@ def _tune_batch(args: argparse.Namespace, problems: list[Problem], watchdog: Wat
     print(f"tuning {count}, {args.trials} trials each, {where}"
           f"{' (replaying ' + str(args.replay) + ')' if args.replay else ''}; storage {describe(storage)}",
           file=sys.stderr)
-    with _sigterm_as_interrupt():  # `kill` or a scheduler's stop: workers give their problems back
+    with _no_empty_files_left(cache_path, storage) as code, _sigterm_as_interrupt():
+        # (SIGTERM: `kill` or a scheduler's stop: workers give their problems back)
         result = run_batch(spec, gpus=gpus, ray_address=args.ray or None, use_ray=args.ray is not None)
+        failed = [r for r in result.results if not r.get("entry")]
+        code.append(1 if result.missing or failed else 0)  # a dead worker whose problem another finished is no failure
     print_results(result.results)
     print(f"{len(result.results)} of {len(problems)} problems tuned in {result.seconds:.1f} s; "
           f"entries in {cache_path}" + (f" and in {describe(storage)}" if args.storage else ""))
     for p in result.missing:
         print(f"not finished: {p.family} {p.shape_text} {p.dtype}")
-    failed = [r for r in result.results if not r.get("entry")]
-    return 1 if result.missing or failed else 0  # a dead worker whose problem another finished is no failure
+    return code[0]
 
 
 @contextlib.contextmanager
@@ -383,15 +438,20 @@ def print_results(results: list) -> None:
 def _tune_one(args: argparse.Namespace, problem: Problem, watchdog: Watchdog) -> int:
     """One problem in this process: the detailed report (best, default, copy)."""
     from .runtime import device_info
+    from .storage import default_storage_url
     from .tune import params_text, print_progress, tune
 
     family = get_family(problem.family)
     device = device_info()  # fails with a clear message before any file is touched
-    cache = Cache(args.cache or default_cache_path())
-    print(f"tuning {family.name} {problem.shape_text} {problem.dtype} on {device.name} "
-          f"(sm_{device.compute_capability}, NVRTC {device.cuda_version}), {args.trials} trials", file=sys.stderr)
-    report = tune(family, problem, args.trials, cache, seed=args.seed, progress=print_progress(),
-                  resume=args.resume, watchdog=watchdog)
+    cache_path = args.cache or default_cache_path()
+    with _no_empty_files_left(cache_path, default_storage_url(cache_path, 1)) as code:
+        cache = Cache(cache_path)
+        print(f"tuning {family.name} {problem.shape_text} {problem.dtype} on {device.name} "
+              f"(sm_{device.compute_capability}, NVRTC {device.cuda_version}), {args.trials} trials",
+              file=sys.stderr)
+        report = tune(family, problem, args.trials, cache, seed=args.seed, progress=print_progress(),
+                      resume=args.resume, watchdog=watchdog)
+        code.append(0 if report.best is not None else 1)
     nbytes = family.bytes_moved(problem)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts().items()))
     resumed = f", {report.resumed} from the interrupted run" if report.resumed else ""
@@ -542,7 +602,12 @@ def cmd_native(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     existed = not args.force and _native_built(native)
-    path = native.build(force=args.force, verbose=args.verbose)
+    try:
+        path = native.build(force=args.force, verbose=args.verbose)
+    except OSError as exc:  # the folder beside the cache cannot be made or written (read-only, /proc)
+        where = f" {exc.filename}" if exc.filename else ""
+        raise UserError(f"autosoft native: cannot write the build{where} ({exc.strerror or exc}); "
+                        "point AUTOSOFT_CACHE_DIR at a writable folder") from None
     took = "" if existed else f" in {time.perf_counter() - started:.0f} s"
     print(f"{'already built' if existed else 'built'}{took}: {path}")
     print("torch.ops.autosoft.softmax and log_softmax take it from the next `import autosoft.torch_ops` "
@@ -568,8 +633,18 @@ def cmd_render(args: argparse.Namespace) -> int:
         variant = build_variant(family, problem, params, target)
     except UserError as exc:
         raise UserError(f"{exc}{_defaults_in_play(family, problem, target, params, given)}") from None
-    sys.stdout.write(variant.source)
+    sys.stdout.write(with_build_lines(variant.source, variant.target.arch))
     return 0
+
+
+def with_build_lines(source: str, arch: str) -> str:
+    """The source with comment lines saying how to build it (compile.build_lines) at the end of its
+    leading comment: a Hopper kernel needs its own nvcc target, which plain -arch=sm_90a is not."""
+    from .compile import build_lines
+
+    lines = source.split("\n")
+    head = next((i for i, line in enumerate(lines) if not line.startswith("//")), len(lines))
+    return "\n".join([*lines[:head], *(f"// {line}" for line in build_lines(source, arch)), *lines[head:]])
 
 
 def _defaults_in_play(family: Family, problem: Problem, target: Target, params: dict, given: set[str]) -> str:

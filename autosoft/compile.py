@@ -51,6 +51,24 @@ def arch_option(arch: str, source: str = "") -> str:
     return f"--gpu-architecture=sm_{arch}{'a' if ARCH_SPECIFIC in source else ''}"
 
 
+def compile_options(source: str, arch: str) -> tuple[str, ...]:
+    """Every NVRTC option a source is compiled with: its target, then COMPILE_OPTIONS."""
+    return (arch_option(arch, source), *COMPILE_OPTIONS)
+
+
+def nvcc_command(source: str, arch: str, file: str = "<this file>") -> str:
+    """The nvcc command that builds `source` as NVRTC does: the same options, and for a source with
+    the ARCH_SPECIFIC mark its sm_<arch>a cubin alone (-arch=sm_90a would also embed compute_90 PTX,
+    which cannot hold those instructions, and ptxas fails)."""
+    target = f"-gencode=arch=compute_{arch}a,code=sm_{arch}a" if ARCH_SPECIFIC in source else f"-arch=sm_{arch}"
+    return " ".join(("nvcc", "-c", target, *COMPILE_OPTIONS, file))
+
+
+def build_lines(source: str, arch: str) -> list[str]:
+    """What `render` and `export` print with a source (as comment lines): how to build it."""
+    return [f"build: {nvcc_command(source, arch)}", f"NVRTC options: {' '.join(compile_options(source, arch))}"]
+
+
 def source_digest(source: str, arch: str, nvrtc: str | None = None) -> str:
     """Hash of what the compiler sees: source, options, target and compiler version (this
     machine's NVRTC, or `nvrtc` to recompute an entry's digest as another machine wrote it)."""
@@ -69,7 +87,7 @@ def compile_source(source: str, arch: str, name: str = "kernel.cu") -> CompileRe
     prog = nvrtc.createProgram(source, name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [arch_option(arch, source), *COMPILE_OPTIONS])
+            nvrtc.compileProgram(prog, list(compile_options(source, arch)))
         except nvrtc.NVRTCError as exc:
             return CompileResult(False, b"", f"{exc}\n{nvrtc.getProgramLog(prog)}".strip())
         log = nvrtc.getProgramLog(prog)

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from ._version import __version__
 from .cache import Entry
 from .errors import UserError
-from .compile import ARCH_SPECIFIC
+from .compile import build_lines
 from .dtypes import ITEMSIZE
 from .families.base import Launch, TensorMap, Variant
 from .files import replace_text
@@ -72,7 +72,7 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
         lines.append("untuned: heuristic default variant")
     lines += [
         f"source digest (sha256 over source, options, sm_{variant.target.arch}, NVRTC version): {variant.digest}",
-        f"build: nvcc -c {_arch_flag(variant)} --use_fast_math -std=c++17 <this file>",
+        *build_lines(variant.source, variant.target.arch),
         f"host launcher: compile with -D{HOST_MACRO} to get (at the end of this file)"
         + (" and link with -lcuda (it encodes the tensor maps)" if maps else ""),
         f"  extern \"C\" {host.prototype};",
@@ -80,14 +80,6 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
     ]
     header = "\n".join("// " + line for line in lines)
     return f"{header}\n\n{variant.source}{host.definition()}"
-
-
-def _arch_flag(variant: Variant) -> str:
-    """nvcc's target: -arch=sm_XX, or for a kernel of one architecture's own instructions (the
-    ARCH_SPECIFIC mark) its sm_XXa cubin alone (-arch=sm_90a would also embed compute_90 PTX,
-    which cannot hold those instructions)."""
-    arch = variant.target.arch
-    return f"-gencode=arch=compute_{arch}a,code=sm_{arch}a" if ARCH_SPECIFIC in variant.source else f"-arch=sm_{arch}"
 
 
 # --- the host launcher ------------------------------------------------------------------------

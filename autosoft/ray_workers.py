@@ -14,7 +14,33 @@ from typing import Any, Callable
 
 from .errors import UserError, one_line
 
-__all__ = ["run_on_ray"]
+__all__ = ["check_reachable", "run_on_ray"]
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_reachable(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A one-line UserError when nothing answers at the cluster address (`address`, else
+    RAY_ADDRESS) within `timeout_s`: ray.init retried an unreachable address for minutes, printing
+    its own warnings. Checks only that the port takes a TCP connection; no address (or "auto"
+    and "local") means a cluster found or started on this machine, which is not checked here."""
+    import os
+    import socket
+
+    given = address or os.environ.get("RAY_ADDRESS", "")
+    text = given.strip().removeprefix("ray://")
+    if text in ("", "auto", "local"):
+        return
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise UserError(f"--ray {given}: expected HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else \
+            (exc.strerror or one_line(exc)).lower()
+        raise UserError(f"--ray {given}: no Ray cluster there ({why}); start one with `ray start --head`, "
+                        "or give its head's address") from None
 
 
 def _ray() -> Any:

@@ -1,7 +1,7 @@
 """Choosing the next variant: Optuna over the valid points of a search space.
 
 The only module that uses Optuna's samplers and studies (storage.py opens Optuna storages,
-board.py keeps a batch's board in one, report.py reads them). Constraints make most of the raw
+board.py keeps a batch's board in one, report/ reads them). Constraints make most of the raw
 product of parameter values invalid (97% for softmax), so a point Optuna suggests is repaired to
 the nearest valid point not yet tried; the suggestion is closed as pruned and the repaired point
 is added to the study as the trial that is measured, so the sampler learns only from real

@@ -110,7 +110,13 @@ def check_url(url: str) -> None:
     and creates nothing, so a tune refuses a mistyped --storage before it looks for a GPU."""
     url = str(url)
     shown = describe(url)
-    if _journal_path(url) is not None or url.startswith("sqlite:///"):
+    if url.startswith("sqlite:///"):
+        path = _sqlite_path(url)
+        if path.is_file():
+            _check_sqlite_header(path, shown)
+            _check_optuna_tables(path, shown, blank_ok=True)
+        return
+    if _journal_path(url) is not None:
         return
     if not _SERVER_SCHEMES.match(url):
         raise UserError(f"storage {shown!r}: not a storage URL; give {FORMS}")
@@ -132,6 +138,30 @@ def _driver_missing(shown: str, url: str, exc: ImportError) -> UserError:
     psycopg2 = re.match(r"postgresql(\+psycopg2)?://", url, re.IGNORECASE)
     hint = POSTGRES_HINT if psycopg2 else "install that module"
     return UserError(f"storage {shown}: its database driver is missing ({one_line(exc)[:120]}): {hint}")
+
+
+def local_file(url: str) -> Path | None:
+    """The file of an SQLite or journal URL, None for a server's."""
+    url = str(url)
+    journal = _journal_path(url)
+    if journal is not None:
+        return journal
+    return _sqlite_path(url) if url.startswith("sqlite:///") else None
+
+
+def holds_no_trial(url: str) -> bool:
+    """Whether the storage file of `url` holds no trial of any study: nothing a --resume could
+    continue, so a failed tune that created it may remove it. False when it cannot be read."""
+    path = local_file(url)
+    if path is None or not path.is_file():
+        return False
+    if path.stat().st_size == 0:
+        return True
+    try:
+        storage = open_storage(url)
+        return all(storage.get_n_trials(s._study_id) == 0 for s in storage.get_all_studies())
+    except Exception:  # noqa: BLE001 - unreadable: not ours to judge empty
+        return False
 
 
 # --- opening -------------------------------------------------------------------------------------
@@ -161,6 +191,7 @@ def open_storage(url: str, *, create: bool = False) -> BaseStorage:
             _check_sqlite(path, shown)
         elif path.is_file():
             _check_sqlite_header(path, shown)
+            _check_optuna_tables(path, shown, blank_ok=True)
         return _open_rdb(url, shown, create, {"connect_args": {"timeout": 60}})
     if _SERVER_SCHEMES.match(url):
         return _open_rdb(_with_driver(url), shown, create, {"pool_pre_ping": True})
@@ -195,6 +226,18 @@ def _check_sqlite(path: Path, shown: str) -> None:
         raise UserError(f"storage {shown}: no such file (autosoft tune writes <cache stem>-studies.sqlite "
                         "beside the cache)")
     _check_sqlite_header(path, shown)
+    _check_optuna_tables(path, shown, blank_ok=False)
+
+
+# Tables only an Optuna storage has together: an autosoft cache file has a `trials` table too.
+_OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
+
+
+def _check_optuna_tables(path: Path, shown: str, *, blank_ok: bool) -> None:
+    """Refuse an SQLite file that is not an Optuna storage, read-only, before Optuna adds its tables
+    to it: a cache file given as --storage got Optuna's tables beside its own (its `trials` table
+    collides with Optuna's) and the tune then failed after a quarter-minute of retries. A file with
+    no table at all (blank_ok) is a new database, which Optuna may fill."""
     try:
         uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
         conn = sqlite3.connect(uri, uri=True)
@@ -204,8 +247,14 @@ def _check_sqlite(path: Path, shown: str) -> None:
             conn.close()
     except sqlite3.DatabaseError as exc:
         raise UserError(f"storage {shown}: unreadable ({one_line(exc)})") from None
-    if not {"studies", "trials"} <= tables:
-        raise UserError(f"storage {shown}: not an Optuna storage (no studies table)")
+    if blank_ok and not tables:
+        return
+    if _OPTUNA_TABLES <= tables:
+        return
+    if {"meta", "entries"} <= tables:
+        raise UserError(f"storage {shown}: is an autosoft cache file, not an Optuna storage; give another file "
+                        "(a tune keeps its studies in <cache stem>-studies.sqlite); the file was left as it is")
+    raise UserError(f"storage {shown}: not an Optuna storage (no studies table); the file was left as it is")
 
 
 def _check_sqlite_header(path: Path, shown: str) -> None:

@@ -2,7 +2,8 @@
 
 The search (search.py) decides what to try; a Runner (runners.py) decides how a candidate is
 evaluated: the GPU worker with its compile pool ahead of the GPU, or a replay of recorded
-trials. tune() is the parts below, in order:
+trials. tune_problem() is the pipeline that tune() and a batch worker (batch.py) both run; it is
+the parts below, in order:
 
 - open_study: the Optuna study beside the cache file, fresh or resumed, over the valid points
   (the runner's recorded points, for a replay);
@@ -10,7 +11,7 @@ trials. tune() is the parts below, in order:
 - run_trials: the evaluation loop, search <-> runner, keeping `runner.depth` candidates in flight;
 - Ledger: the bookkeeping of each finished trial (study, trial log, best, progress);
 - confirm_best: the fastest few and the default, re-timed side by side, decide the winner and its speed-up;
-- store_entry: the cache write; only a correct variant can become the entry.
+- make_entry: the cache entry; only a correct variant can become one.
 
 Each evaluated variant, failures included, is recorded in the cache file's trial log and in
 the study as soon as it finishes, so an interrupted tune loses at most the candidates in
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from . import __version__
+from ._version import __version__
 from .cache import Cache, Entry
 from .dispatch import cache_key
 from .errors import UserError
@@ -60,6 +61,9 @@ class TuneReport:
     worker_restarts: int = 0
     stored: bool = False
     peak_tflops: float | None = None  # compute-bound families: the GPU's measured tensor-core rate
+    entry: Entry | None = None  # the winner's cache entry, stored or not (a faster one was there)
+    measured_here: int = 0    # trials this worker measured in this run (a batch's helpers measure others)
+    reaped: int = 0           # trials of workers taken for dead, run again (search.Search.reaped)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -101,39 +105,78 @@ def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, r
     its own runner to reuse it (and closes it). resume: continue this problem's study instead
     of starting afresh; its finished trials are not evaluated again.
     """
-    start = time.perf_counter()
     family = get_family(family) if isinstance(family, str) else family
     own_runner = runner is None
     runner = runner if runner is not None else GpuRunner(workers=workers)
     try:
-        device = runner.device
-        target = device.target
-        restarts_before = runner.restarts
-        search = open_study(family, problem, device, cache, runner, seed=seed, resume=resume)
-        ledger = Ledger(search, cache, problem, device, trials, progress,
-                        default_params=family.default_params(problem, target),
-                        resumed=resumed_trials(search, family, problem, target))
-        default = measure_default(family, problem, target, runner, search, ledger, seed, watchdog.cap_s)
-        timeout_s = watchdog.limit(default.outcome.time_us, evaluation_launches(family))
-        run_trials(family, problem, target, runner, search, ledger, trials, seed, timeout_s)
-        confirmed = confirm_best(family, runner, ledger.measured, timeout_s, default)
-        best, default = (confirmed[0], confirmed[1] or default) if confirmed else (ledger.best, default)
-        copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
-        peak = runner.peak_tflops() if family.flops(problem) else None
-        if peak is not None:  # kept with the study: `autosoft report --storage` draws the bound
-            search.note("peak_tflops", peak)
-        restarts = runner.restarts - restarts_before
-        stored = best is not None and store_entry(cache, family, problem, device, best, default, copy_us)
-        if stored:
-            runner.keep(best.variant)  # the first call after the tune loads it without NVRTC
+        return tune_problem(family, problem, trials, cache, runner, seed=seed, resume=resume, watchdog=watchdog,
+                            progress=progress)
     finally:
         if own_runner:
             runner.close()
 
-    report = TuneReport(problem, device, best, default, copy_us, ledger.measured, ledger.resumed,
-                        worker_restarts=restarts, stored=stored, peak_tflops=peak)
-    report.seconds = time.perf_counter() - start
-    return report
+
+@dataclass(frozen=True)
+class SharedStudy:
+    """How a batch worker shares a problem's study with other workers (batch.py): the storage
+    they all use, this worker's id on the board, whether another worker is alive, and how
+    long to wait between looks at the trials the others still run."""
+    storage: Any
+    worker: str
+    is_live: Callable[[str], bool]
+    poll_s: float = 0.5
+
+
+def tune_problem(family: Family, problem: Problem, trials: int, cache: Cache, runner: Runner, *, seed: int = 0,
+                 resume: bool = False, watchdog: Watchdog = Watchdog(), progress: ProgressFn | None = None,
+                 shared: SharedStudy | None = None) -> TuneReport:
+    """The tuning pipeline, which tune() and a batch worker both run: the study, the default, the
+    trials, the finalists re-timed side by side, the copy time and the peak, the cache entry.
+
+    shared: the study is shared with other workers (a batch), who may measure its trials too;
+    this worker waits for the ones they still run, then re-times the finalists of every worker's
+    trials and writes the entry. The report's `entry` is the winner's entry (stored or not)."""
+    start = time.perf_counter()
+    device = runner.device
+    target = device.target
+    restarts_before = runner.restarts
+    search = open_study(family, problem, device, cache, runner, seed=seed, resume=resume,
+                        storage=shared.storage if shared else None, worker=shared.worker if shared else None,
+                        is_live=shared.is_live if shared else None)
+    ledger = Ledger(search, cache, problem, device, trials, progress,
+                    default_params=family.default_params(problem, target),
+                    resumed=resumed_trials(search, family, problem, target))
+    default = measure_default(family, problem, target, runner, search, ledger, seed, watchdog.cap_s)
+    timeout_s = watchdog.limit(default.outcome.time_us, evaluation_launches(family))
+    while True:
+        run_trials(family, problem, target, runner, search, ledger, trials, seed, timeout_s)
+        if shared is None:
+            break
+        search.refresh()  # helpers' trials, and dead workers' trials reaped (this worker re-runs those)
+        if search.spent() < trials and not search.exhausted:
+            continue
+        if search.running_elsewhere == 0:
+            break
+        time.sleep(shared.poll_s)
+    # alone, this worker's own record (with each outcome's message); shared, every worker's trials
+    measured = ledger.measured if shared is None else resumed_trials(search, family, problem, target)
+    confirmed = confirm_best(family, runner, measured, timeout_s, default)
+    if confirmed:
+        best, default = confirmed[0], confirmed[1] or default
+    else:
+        best = min((m for m in measured if m.outcome.ok), key=lambda m: m.outcome.time_us, default=None)
+    copy_us = runner.time_copy(family.bytes_moved(problem) // 2)
+    peak = runner.peak_tflops() if family.flops(problem) else None
+    if peak is not None:  # kept with the study: `autosoft report --storage` draws the bound
+        search.note("peak_tflops", peak)
+    entry = make_entry(family, problem, device, best, default, copy_us) if best is not None else None
+    stored = entry is not None and cache.put(entry)
+    if stored:
+        runner.keep(best.variant)  # the first call after the tune loads it without NVRTC
+    return TuneReport(problem, device, best, default, copy_us, measured, ledger.resumed,
+                      seconds=time.perf_counter() - start, worker_restarts=runner.restarts - restarts_before,
+                      stored=stored, peak_tflops=peak, entry=entry,
+                      measured_here=len(ledger.measured) - ledger.resumed, reaped=search.reaped)
 
 
 def tuned_kernel(family: Family | str, problem: Problem, cache: Cache, trials: int, *,
@@ -353,12 +396,6 @@ def make_entry(family: Family, problem: Problem, device: DeviceInfo, best: Measu
         source_digest=best.variant.digest, time_us=best.outcome.time_us,
         default_time_us=default.outcome.time_us, copy_time_us=copy_time_us,
         launches=launches_text(best.variant), autosoft_version=__version__, created=time.time())
-
-
-def store_entry(cache: Cache, family: Family, problem: Problem, device: DeviceInfo, best: Measured,
-                default: Measured, copy_time_us: float) -> bool:
-    """Store the winner under the problem's cache key unless a faster entry is there; True when stored."""
-    return cache.put(make_entry(family, problem, device, best, default, copy_time_us))
 
 
 def _delete_study(storage: str, name: str) -> None:

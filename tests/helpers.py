@@ -92,3 +92,23 @@ def sample_points(family: Any, problem: Any, target: Any, k: int, seed: int,
     from autosoft.testing.conformance import sample_points
 
     return sample_points(family, problem, target, k, seed, seeds)
+
+
+def _drop_permission_override() -> None:
+    """In a child about to exec: take CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH out of its bounding
+    set, so that the program it runs as root still meets file permissions (a read-only folder)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH (linux/capability.h)
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def run_cli_read_only_honoured(args: list[str], cache_dir: Path, cwd: Path | None = None,
+                               timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """run_cli where read-only files and folders stay read-only for root too (the CPU tier runs as
+    root in containers): the child runs without the capability that lets root write anywhere."""
+    drop = _drop_permission_override if os.geteuid() == 0 else None
+    return subprocess.run([sys.executable, "-m", "autosoft", *args], env={**cli_env(cache_dir), **env},
+                          cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout, preexec_fn=drop)

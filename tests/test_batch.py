@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import gpu_available
 
 from autosoft.batch import BatchSpec, run_batch, stored_results
 from autosoft.board import Board
@@ -327,6 +328,10 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
         ("tune", "softmax", "--shape", "64x64", "--storage", "postgresql+nosuch://u@h/db"): "nosuch",
         ("tune", "softmax", "--shape", "64x64", "--replay-delay", "1"): "--replay-delay",
         ("tune", "softmax", "--shape", "64x64", "--gpus", "0", "--ray"): "give one of them",
+        # the workers each failed without a GPU, and the batch said so in three lines, exit 1
+        **({("tune", "softmax", "--shape", "64x64", "--gpus", "0"): "no CUDA device",
+            ("tune", "softmax", "--shape", "64x64", "--gpus", "1,0"): "no CUDA device"}
+           if not gpu_available() else {}),
         ("tune", "softmax", "--shape", "64x64", "--shape", "64x128", "--replay", tmp_path / "none.sqlite"):
             "no such file",
         ("tune", "--problems", tmp_path / "missing.yaml"): "missing.yaml",
@@ -336,6 +341,16 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and words in lines[0], (args, result.stderr)
     assert not (tmp_path / "k.sqlite").exists(), "nothing was created"
+
+
+def test_gpus_takes_the_journal_storage_even_for_one_gpu(tmp_path):
+    """README: the default for --gpus/--ray is <cache stem>-studies.log; --gpus 0 took SQLite."""
+    cache = tmp_path / "k.sqlite"
+    result = run_cli(["tune", "softmax", "--shape", FORTY[0].shape_text, "--dtype", FORTY[0].dtype, "--replay",
+                      RECORDING, "--trials", "3", "--cache", cache, "--gpus", "0"])
+    assert result.returncode == 0, result.stderr
+    assert f"storage journal://{tmp_path / 'k-studies.log'}" in result.stderr.splitlines()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k-studies.log", "k.sqlite"]
 
 
 def _running_worker_pid(storage) -> tuple[int, str] | None:
@@ -457,6 +472,30 @@ def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
     assert winners(result.results) == {k: v for k, v in single.items() if k in winners(result.results)}
     assert len({r["worker"] for r in result.results}) >= 2, "the problems were shared between the Ray workers"
     assert all(r["gpu"].startswith("ray:") for r in result.results)
+
+
+def test_ray_at_an_address_nobody_answers_is_one_line_at_once(tmp_path):
+    """--ray 127.0.0.1:1 hung for minutes printing Ray's own warnings."""
+    pytest.importorskip("ray")
+    import socket
+
+    from autosoft.errors import UserError
+    from autosoft.ray_workers import check_reachable
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: refused
+        started = time.monotonic()
+        result = run_cli(["tune", "softmax", "--shape", "64x64", "--replay", RECORDING, "--cache", tmp_path / "k.sqlite",
+                          "--ray", f"127.0.0.1:{port}"], timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"autosoft: error: --ray 127.0.0.1:{port}: no Ray cluster there (connection refused)")
+    assert time.monotonic() - started < 30 and not list(tmp_path.iterdir())
+    with pytest.raises(UserError, match="connection refused"):
+        check_reachable(f"ray://127.0.0.1:{port}")  # Ray Client's form of the address
+    with pytest.raises(UserError, match="expected HOST:PORT"):
+        check_reachable("headnode")
 
 
 def test_an_interrupted_batch_resumes_where_it_stopped(tmp_path, sigint_handled):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import gpu_available
-from helpers import cli_env, make_entry, run_cli, softmax_key
+from helpers import cli_env, make_entry, nvcc_path, run_cli, run_cli_read_only_honoured, softmax_key
 
 from autosoft.cache import Cache
 
@@ -36,6 +36,8 @@ ERROR_CASES = {
     "injected_param_value": ["render", "softmax", "--shape", "4x1024", "--param",
                              "storage=registers; system(\"id\")"],
     "param_without_equals": ["render", "softmax", "--shape", "4x1024", "--param", "vec"],
+    "param_given_twice": ["render", "softmax", "--shape", "4x1024", "--param", "vec=4", "--param", "vec=2"],
+    "param_given_twice_spaced": ["render", "softmax", "--shape", "4x1024", "--param", "vec=4", "--param", " vec =4"],
     "param_invalid_for_shape": ["render", "softmax", "--shape", "4x3", "--param", "vec=4"],
     "causal_softmax": ["render", "softmax", "--shape", "4x8", "--causal"],
     "unknown_command": ["frobnicate"],
@@ -81,6 +83,8 @@ def test_user_errors_are_one_line_exit_2_and_write_nothing(case, tmp_path):
         assert "float64" in line and "bfloat16" in line
     if case == "unknown_family":
         assert "softmaxx" in line and "softmax" in line.replace("softmaxx", "")
+    if case.startswith("param_given_twice"):
+        assert "vec is given twice" in line
     if case == "tune_trials_zero":
         assert "--trials" in line
 
@@ -138,6 +142,39 @@ def test_render_output_compiles_and_respects_arch(tmp_path):
         assert result.returncode == 0, result.stderr
         compiled = compile_source(result.stdout, arch)
         assert compiled.ok, compiled.log
+
+
+@pytest.mark.parametrize("args", [["softmax", "--shape", "64x1000", "--arch", "80"],
+                                  ["attention", "--shape", "1x2x256x128", "--dtype", "bfloat16",
+                                   "--param", "engine=wgmma"]])
+def test_render_says_how_to_build_its_output_and_that_builds(tmp_path, args):
+    """A wgmma source carried no build line, and plain -arch=sm_90a fails in ptxas."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from autosoft.compile import REJECTED_PTXAS_WARNINGS
+
+    result = run_cli(["render", *args], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    source = result.stdout
+    head = source[:source.index("\n#") if "\n#" in source else len(source)].splitlines()
+    (build,) = [l[len("// build: "):] for l in head if l.startswith("// build: ")]
+    (options,) = [l[len("// NVRTC options: "):].split() for l in head if l.startswith("// NVRTC options: ")]
+    wgmma = "engine=wgmma" in args
+    assert ("-gencode=arch=compute_90a,code=sm_90a" in build.split()) == wgmma and "-arch=sm_90a" not in build
+    prog = nvrtc.createProgram(source, "k.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, options)  # exactly the options the line gives
+        assert not REJECTED_PTXAS_WARNINGS.search(nvrtc.getProgramLog(prog))
+        assert len(nvrtc.getCUBIN(prog)) > 1000
+    finally:
+        nvrtc.destroyProgram(prog)
+    nvcc = nvcc_path()
+    if nvcc is not None:
+        (tmp_path / "k.cu").write_text(source)
+        command = build.replace("<this file>", "k.cu").split()
+        built = subprocess.run([nvcc, *command[1:], "-o", "k.o"], cwd=tmp_path, capture_output=True, text=True,
+                               timeout=300)
+        assert built.returncode == 0, built.stderr
 
 
 def test_list_with_no_cache(tmp_path):
@@ -269,6 +306,17 @@ def test_version_prints_the_version_and_exits_0(tmp_path):
     assert result.stdout == f"autosoft {autosoft.__version__}\n" and result.stderr == ""
 
 
+def test_the_version_is_one_number_in_autosoft_version_and_pyproject():
+    import tomllib
+
+    import autosoft
+    from autosoft import _version
+
+    declared = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert autosoft.__version__ is _version.__version__
+    assert _version.__version__ == declared["project"]["version"]
+
+
 def _cache_with_entries(path: Path, count: int) -> None:
     """count softmax entries, inserted in one transaction (put() commits each: slow for thousands)."""
     from dataclasses import asdict
@@ -327,18 +375,121 @@ def test_tilde_is_expanded_in_cache_and_output_of_every_command(tmp_path):
     assert not list(cwd.iterdir()), "no folder named ~ is made"
 
 
-@pytest.mark.parametrize("command", [["list"], ["export", "softmax", "--shape", "64x1000", "-o", "k.cu"]])
+CACHE_DIR_COMMANDS = {  # every command, in each form that reaches the cache differently or not at all
+    "tune": ["tune", "softmax", "--shape", "64x1000"],
+    "tune_replay": ["tune", "softmax", "--shape", "64x1000", "--replay", "{studies}"],
+    "tune_gpus": ["tune", "softmax", "--shape", "64x1000", "--gpus", "0"],
+    "list": ["list"],
+    "list_storage": ["list", "--storage", "sqlite:///{studies}"],
+    "collect": ["collect", "--storage", "sqlite:///{studies}"],
+    "export": ["export", "softmax", "--shape", "64x1000", "-o", "k.cu"],
+    "render": ["render", "softmax", "--shape", "64x1000"],
+    "report": ["report", "-o", "r"],
+    "report_storage": ["report", "--storage", "sqlite:///{studies}", "-o", "r"],
+    "native": ["native"],
+}
+
+
+def test_the_cache_dir_cases_name_every_command():
+    from autosoft.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert set(commands) == {args[0] for args in CACHE_DIR_COMMANDS.values()}
+
+
+@pytest.mark.parametrize("command", sorted(CACHE_DIR_COMMANDS))
 @pytest.mark.parametrize("below", ["", "sub"])
 def test_a_cache_dir_variable_naming_a_file_is_a_one_line_error(tmp_path, command, below):
+    from autosoft.storage import open_storage
+
     afile = tmp_path / "afile"
     afile.write_text("not a folder")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    result = _run_with_env(command, tmp_path / "cache", cwd, AUTOSOFT_CACHE_DIR=str(afile / below))
+    studies = tmp_path / "studies.sqlite"
+    open_storage(f"sqlite:///{studies}", create=True)
+    args = [a.format(studies=studies) for a in CACHE_DIR_COMMANDS[command]]
+    result = _run_with_env(args, tmp_path / "cache", cwd, AUTOSOFT_CACHE_DIR=str(afile / below))
     line = _assert_user_error(result, tmp_path / "cache", cwd)
     assert "AUTOSOFT_CACHE_DIR" in line and f"{afile} exists" not in line and f"{afile} is a file" in line
     assert "autosoft tune creates it" not in result.stdout + line and result.stdout == ""
     assert afile.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("extra", [[], ["--replay", "{cache}"], ["--gpus", "0"]])
+def test_tune_refuses_a_cache_file_as_its_storage_and_changes_nothing(tmp_path, extra):
+    """Optuna's tables went into the cache file (its `trials` table collides with Optuna's) and the
+    tune ended after a quarter-minute of retries with "connection lost"."""
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache = cache_dir / "kernels.sqlite"
+    Cache(cache).put(make_entry())
+    before = cache.read_bytes()
+    args = [a.format(cache=cache) for a in extra]
+    result = run_cli(["tune", "softmax", "--shape", "64x1000", "--storage", f"sqlite:///{cache}", *args],
+                     cache_dir, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "is an autosoft cache file, not an Optuna storage" in line and "Traceback" not in result.stderr
+    assert cache.read_bytes() == before
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["kernels.sqlite"]
+
+
+@pytest.mark.parametrize("locked", ["file", "folder"])
+def test_collect_into_a_read_only_cache_is_one_line_and_changes_nothing(tmp_path, locked):
+    from autosoft.batch import entry_record
+    from autosoft.board import Board
+    from autosoft.storage import open_storage
+
+    studies = tmp_path / "studies.sqlite"
+    storage = open_storage(f"sqlite:///{studies}", create=True)
+    board = Board(storage)
+    board.join(gpu="0", device="NVIDIA H200")
+    lease = board.claim("softmax/float32/64x1000/NVIDIA H200/90/13.0/a/b", board.snapshot())
+    board.finish(lease, {"problem": {"family": "softmax", "shape": "64x1000", "dtype": "float32"},
+                         "entry": entry_record(make_entry(softmax_key("64x1000"))), "trials": 1})
+    board.leave()
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    cache = folder / "kernels.sqlite"
+    Cache(cache)
+    before = cache.read_bytes()
+    (cache if locked == "file" else folder).chmod(0o444 if locked == "file" else 0o555)
+    try:
+        result = run_cli_read_only_honoured(["collect", "--storage", f"sqlite:///{studies}", "--cache", str(cache)],
+                                            tmp_path / "cache", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"autosoft: error: cache {cache}: cannot be written (") and result.stdout == ""
+    finally:
+        cache.chmod(0o644)
+        folder.chmod(0o755)
+    assert cache.read_bytes() == before and [p.name for p in folder.iterdir()] == ["kernels.sqlite"]
+
+
+@pytest.mark.parametrize("shapes", [["64x1000"], ["64x1000", "64x2000"]])
+def test_a_failed_tune_leaves_no_empty_cache_or_studies_behind(tmp_path, shapes):
+    """kernels.sqlite and kernels-studies.sqlite were left empty after a tune that failed; what
+    existed before the tune stays as it was."""
+    from autosoft.storage import open_storage
+
+    recording = tmp_path / "recording.sqlite"
+    Cache(recording)  # a cache without trials: the replay fails after the files were made
+    args = ["tune", "softmax", *[a for shape in shapes for a in ("--shape", shape)], "--replay", str(recording)]
+    cache_dir = tmp_path / "new" / "cache"
+    result = run_cli(args, cache_dir, cwd=tmp_path)
+    assert result.returncode == 2 and "no recorded trials" in result.stderr.splitlines()[-1], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recording.sqlite"], "the folders it made are gone too"
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    Cache(kept / "kernels.sqlite")
+    open_storage(f"sqlite:///{kept / 'kernels-studies.sqlite'}", create=True)  # no study, no trial
+    before = (kept / "kernels.sqlite").read_bytes()
+    result = run_cli(args, kept, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["kernels-studies.sqlite", "kernels.sqlite"]
+    assert (kept / "kernels.sqlite").read_bytes() == before
 
 
 def _export_key(shape: str):

@@ -107,13 +107,24 @@ def test_exported_file_compiles_with_nvrtc_and_nvcc(tmp_path):
     assert b"softmax_partials" in obj.read_bytes() and b"softmax_finish" in obj.read_bytes()
 
 
-def test_the_build_line_in_the_header_works(tmp_path):
-    nvcc = nvcc_path()
-    if nvcc is None:
-        pytest.skip("nvcc not found")
+def test_the_build_lines_in_the_header_work(tmp_path):
+    from cupy_backends.cuda.libs import nvrtc
+
+    from autosoft.compile import compile_options
+
     entry = make_entry(_key("64x1000", "bfloat16"), params=_entry_params("64x1000", "bfloat16"))
     result, text = _export(tmp_path, "64x1000", "bfloat16", [entry])
     assert result.returncode == 0, result.stderr
+    (options,) = [l[len("// NVRTC options: "):].split() for l in text.splitlines() if l.startswith("// NVRTC options: ")]
+    assert options[0] == "--gpu-architecture=sm_90" and tuple(options) == compile_options(text, "90")
+    prog = nvrtc.createProgram(text, "f.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, options)
+    finally:
+        nvrtc.destroyProgram(prog)
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
     (line,) = [l for l in text.splitlines() if l.startswith("// build: ")]
     command = line[len("// build: "):].replace("<this file>", "f.cu").split()
     assert command[0] == "nvcc"

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import autosoft.torch_ops  # noqa: E402,F401 - defines torch.ops.autosoft
 from autosoft import native  # noqa: E402
-from helpers import run_cli  # noqa: E402
+from helpers import run_cli, run_cli_read_only_honoured  # noqa: E402
 
 native._ninja_on_path()
 if shutil.which("c++") is None or shutil.which("ninja") is None:
@@ -103,3 +103,19 @@ def test_enable_without_a_build_or_with_a_bad_cache_folder_leaves_the_python_ker
     monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(not_a_folder))
     assert native.enable() is False
     assert not _has_kernel("AutogradCUDA")
+
+
+def test_native_with_a_read_only_cache_folder_is_one_line_and_builds_nothing(tmp_path):
+    """The folder beside the cache could not be made: a traceback, before."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        result = run_cli_read_only_honoured(["native"], locked, cwd=tmp_path)
+    finally:
+        locked.chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"autosoft: error: autosoft native: cannot write the build {locked / 'native'} (")
+    assert "AUTOSOFT_CACHE_DIR" in line and result.stdout == ""
+    assert not list(locked.iterdir())

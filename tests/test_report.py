@@ -28,7 +28,7 @@ from autosoft.report import PNG_KINDS, analyse, build_report, load_runs, read_be
 from autosoft.runners import ReplayRunner  # noqa: E402
 from autosoft.tune import study_storage, tune  # noqa: E402
 
-from helpers import run_cli  # noqa: E402
+from helpers import run_cli, run_cli_read_only_honoured  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -182,6 +182,34 @@ def test_bad_stores_give_one_line_and_write_nothing(tmp_path):
     assert proc.returncode == 2 and "is a file" in proc.stderr and a_file.read_text() == "keep"
 
 
+def test_an_unwritable_output_is_one_line_and_leaves_nothing(tmp_path):
+    """-o in /proc, or under a read-only folder, printed a traceback."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "keep").write_text("keep")
+    locked.chmod(0o555)
+    try:
+        for out in (Path("/proc/rep"), locked / "rep", locked):
+            proc = run_cli_read_only_honoured(["report", "--cache", str(SWEEP), "-o", str(out)], tmp_path / "cache")
+            assert proc.returncode == 2, proc.stderr
+            (line,) = proc.stderr.splitlines()
+            assert line.startswith(f"autosoft: error: -o {out}: cannot write the report there (") and proc.stdout == ""
+        assert not Path("/proc/rep").exists()
+        assert sorted(p.name for p in locked.iterdir()) == ["keep"], "no PNG, page or temporary file is left"
+    finally:
+        locked.chmod(0o755)
+
+
+def test_every_package_folder_ships():
+    """report became a package (loading, analysis, figures, page): a non-editable install ships only
+    the packages pyproject.toml lists, and would have lost it."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "autosoft").rglob("__init__.py")}
+    assert "autosoft.report" in folders and folders <= listed
+
+
 def test_missing_libraries_name_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "plotly", None)  # import plotly now raises ImportError
     with pytest.raises(UserError, match=r"pip install 'autosoft\[report\]'"):
@@ -246,13 +274,13 @@ def test_attention_gets_a_tflops_chart(tmp_path):
                           "gpu_name": "NVIDIA H200", "variant_name": attention.variant_name(problem, p), "params": p,
                           "status": "ok", "time_us": 900.0 - 10 * i, "message": ""} for i, p in enumerate(points)])
     cache.put(Entry(key, "attention_best", points[-1], "ab" * 32, 850.0, 900.0, None, "-", "0.1.0", 1.0))
-    result = build_report(tmp_path / "r", cache_path=cache.path, bench=[RESULTS / "attention_h200.json"])
+    result = build_report(tmp_path / "r", cache_path=cache.path, bench=[RESULTS / "issue18_df2a9f9" / "attention_tuned_bf16.json"])
     page = result.index.read_text()
     assert 'id="tflops"' in page and 'id="bandwidth-' not in page and "datasheet peak" in page
     check_pngs(tmp_path / "r", ["tflops.png"])
     (row,) = summary_rows([analyse(load_runs(cache.path)[0])])
     assert row["tflops"] == pytest.approx(attention.flops(problem) / 850.0 / 1e6) and row["pct_copy"] is None
-    refs = analyse(load_runs(cache.path)[0], read_bench([RESULTS / "attention_h200.json"])).references
+    refs = analyse(load_runs(cache.path)[0], read_bench([RESULTS / "issue18_df2a9f9" / "attention_tuned_bf16.json"])).references
     assert {"flash", "cudnn", "efficient"} <= set(refs)  # matched with the benchmark's causal row
 
 

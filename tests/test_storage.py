@@ -27,6 +27,8 @@ from autosoft.storage import (RetryingStorage, StorageUnavailableError, connecti
                               _with_driver, check_url, describe, open_storage)
 from autosoft.tune import study_storage
 
+from helpers import make_entry
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 MIN = [optuna.study.StudyDirection.MINIMIZE]
 
@@ -132,6 +134,29 @@ def test_sqlite_create_and_open(tmp_path):
     with pytest.raises(UserError) as excinfo:
         open_storage(f"sqlite:///{other}")
     _one_line_error(excinfo, "not an Optuna storage")
+
+
+@pytest.mark.parametrize("how", ["check_url", "open", "create"])
+def test_a_cache_file_or_another_database_is_refused_as_storage_and_left_unchanged(tmp_path, how):
+    """A cache file given as --storage got Optuna's tables beside its own (whose `trials` table
+    collides with Optuna's). Any SQLite file with tables that are not Optuna's is refused, unchanged."""
+    cache = tmp_path / "kernels.sqlite"
+    Cache(cache).put(make_entry())
+    other = tmp_path / "other.sqlite"
+    sqlite3.connect(other).execute("CREATE TABLE trials (x)").connection.commit()
+    for path, words in ((cache, "is an autosoft cache file"), (other, "not an Optuna storage")):
+        before = path.read_bytes()
+        url = f"sqlite:///{path}"
+        with pytest.raises(UserError) as excinfo:
+            check_url(url) if how == "check_url" else open_storage(url, create=how == "create")
+        _one_line_error(excinfo, words)
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kernels.sqlite", "other.sqlite"]
+    blank = tmp_path / "blank.sqlite"
+    blank.touch()
+    check_url(f"sqlite:///{blank}")  # an empty file is a new database: Optuna may fill it
+    open_storage(f"sqlite:///{blank}", create=True)
+    assert open_storage(f"sqlite:///{blank}") is not None
 
 
 @pytest.mark.parametrize("create", [False, True])

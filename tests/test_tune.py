@@ -70,3 +70,38 @@ def test_ctrl_c_between_the_writes_of_a_trial_comes_after_the_trial_is_recorded(
     assert trial.state == TrialState.COMPLETE and trial.value == 20.0 and trial.user_attrs["status"] == "ok"
     assert len(list(cache.trials())) == 1, "the trial log has the trial too"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_tune_and_a_batch_worker_run_one_pipeline(tmp_path, monkeypatch):
+    """batch._own re-assembled tune()'s sequence step by step; both now run tune.tune_problem. The
+    same replayed problem, through tune() and through a one-worker batch, gives the same entry."""
+    from pathlib import Path
+
+    from autosoft import tune as tune_module
+    from autosoft.batch import BatchSpec, run_batch
+    from autosoft.runners import ReplayRunner
+
+    recording = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "softmax_h200.sqlite"
+    family = get_family("softmax")
+    problem = family.problem("4096x16384", "float32")
+    alone = tune_module.tune(family, problem, 12, Cache(tmp_path / "alone.sqlite"),
+                             runner=ReplayRunner(recording, problem), seed=0)
+
+    calls = []
+    pipeline = tune_module.tune_problem
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("shared"))
+        return pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(tune_module, "tune_problem", counted)
+    batch = run_batch(BatchSpec(problems=(problem,), trials=12, cache=str(tmp_path / "batch.sqlite"),
+                                storage=f"sqlite:///{tmp_path / 'batch-studies.sqlite'}", fresh=True,
+                                replay=str(recording)))
+    assert len(calls) == 1 and calls[0] is not None, "the worker ran the pipeline once, its study shared"
+    (result,) = batch.results
+    (entry,) = Cache(tmp_path / "batch.sqlite").entries()
+    assert alone.entry is not None and alone.stored and alone.measured_here == 12
+    assert (entry.variant_name, entry.time_us, entry.default_time_us) == \
+        (alone.entry.variant_name, alone.entry.time_us, alone.entry.default_time_us)
+    assert result["entry"]["variant_name"] == entry.variant_name and result["trials"] == 12
