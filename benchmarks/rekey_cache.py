@@ -1,8 +1,8 @@
 """Carry a tuned cache across a template change that leaves the kernels' source as it was.
 
-A cache key holds the template digest, so any edit of a template file (a comment, a split into
-includes) retires every entry, even where the CUDA source a variant renders to is byte for byte
-the same. This script re-renders each entry's params for its own problem and GPU kind with the
+A cache key holds the template digest, so any edit of a template file (a split into includes;
+Jinja comments no longer count) retires every entry, even where the CUDA source a variant renders
+to is byte for byte the same. This script re-renders each entry's params for its own problem and GPU kind with the
 current templates and compares the sha256 over (source, compile options, sm_XX, the entry's
 NVRTC version) with the `source_digest` the entry was stored with. Where they are equal the
 kernel is the very one that was tuned and timed, and the entry is stored again under the
