@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 from .api import attention, load_cache, log_softmax, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
+from .families.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402 - torch functions of their own
 
 __all__ = ["softmax", "log_softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
 
