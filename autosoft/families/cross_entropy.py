@@ -43,6 +43,7 @@ GRAD_TOLERANCE = {"float32": (2e-6, 1e-37), "float16": (1e-3, 6e-8), "bfloat16":
 # fp32 arithmetic on a row: the sum of e^(x - max) over up to 2^18 terms in order and a tree,
 # ex2.approx's relative error and x - max's rounding: FP32_COEF times the magnitudes involved.
 FP32_COEF = 2e-5
+CHECK_ROWS = 1024  # rows `check` compares at a time
 
 
 class CrossEntropyFamily(RowsFamily):
@@ -102,6 +103,7 @@ class CrossEntropyFamily(RowsFamily):
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, "dtype": problem.dtype, "vec_bits_type": VEC_BITS_TYPE[values["vec_bytes"]],
+                "pairs": ITEMSIZE[problem.dtype] == 2 and values["vec"] >= 2,  # 16-bit vectors as packed pairs
                 "target_type": "int" if problem.option("int32_target") else "long long",
                 "inplace": bool(problem.option("inplace", False))}
 
@@ -123,17 +125,19 @@ class CrossEntropyFamily(RowsFamily):
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
         """A sensible variant without tuning: 16-byte vectors, the row held in the registers of one
-        block (about four vectors a thread); longer rows held over a cluster of 2..16 blocks (sm_90),
-        else staged in shared memory, else streamed twice."""
+        block (about eight vectors a thread, else four); longer rows held over a cluster of 2..16
+        blocks (sm_90), else staged in shared memory, else streamed twice. Blocks of 512 threads
+        come first: at 1024 threads (64 registers each) ptxas spills some held rows of 16-bit data
+        (nvcc -Xptxas -v: 4096x32000 bfloat16, 4 vectors a thread, 56 bytes)."""
         m, n = problem.shape
         vec = min(16 // ITEMSIZE[problem.dtype], pow2_floor(n))
         vectors = -(-n // vec)
-        threads = min(1024, max(128, pow2_ceil(-(-vectors // 4))))
-        p: dict[str, ParamValue] = {"threads": threads, "vec": vec, "unroll": 1, "storage": "registers",
+        p: dict[str, ParamValue] = {"threads": 128, "vec": vec, "unroll": 1, "storage": "registers",
                                     "split": 1, "combine": "none", "streaming": False}
-        candidates = [p]
+        candidates = [{**p, "threads": min(1024, max(128, pow2_ceil(-(-vectors // per))))} for per in (8, 4)]
         if int(target.arch) >= 90:
-            candidates += [{**p, "threads": 1024, "split": s, "combine": "cluster"} for s in (2, 4, 8, 16)]
+            candidates += [{**p, "threads": t, "split": s, "combine": "cluster"} for s in (2, 4, 8, 16)
+                           for t in (512, 1024)]
         candidates += [{**p, "storage": "smem", "threads": t} for t in (1024, 512)]
         candidates += [{**p, "storage": "reread", "threads": 1024, "unroll": u} for u in (4, 2, 1)]
         for candidate in candidates:
@@ -182,10 +186,10 @@ class CrossEntropyFamily(RowsFamily):
 
     # --- verification (on the GPU through CuPy; NumPy works too: xp is the array module) ---------
     def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
-        """Random logits (x100 for `large`; 20% -inf for `neg_inf`, every row keeping a finite
+        """Random logits (x50 for `large`; 20% -inf for `neg_inf`, every row keeping a finite
         entry and some targets on -inf: an infinite loss), random targets with about one row in
         eight ignored, the scale of a mean over the rows kept; `smoothed` and `neg_inf` set label
-        smoothing and a z-loss, and `smoothed` a non-default ignore_index."""
+        smoothing and a z-loss, and `smoothed` a non-default ignore_index. rng: xp's Generator."""
         m, n = problem.shape
         x = rng.standard_normal((m, n), dtype=np.float32) * 2
         t = rng.integers(0, n, size=m)
@@ -196,43 +200,54 @@ class CrossEntropyFamily(RowsFamily):
             ignore_index, eps, z = n // 2, 0.1, 1e-3
         elif kind == "neg_inf":
             x[rng.random((m, n)) < 0.2] = -np.inf
-            rows = np.arange(m)
+            rows = xp.arange(m)
             x[rows, (rows * 7 + 3) % n] = 1.0  # every row keeps a finite entry
             eps, z = 0.05, 1e-4
         t[rng.random(m) < 0.125] = ignore_index
         kept = int((t != ignore_index).sum())
         target = t.astype(np.int32 if problem.option("int32_target") else np.int64)
-        return {"logits": xp.asarray(to_storage(x, problem.dtype, np)), "target": xp.asarray(target),
+        return {"logits": to_storage(x, problem.dtype, xp), "target": target,
                 "scale": xp.asarray(np.array([1.0 / max(kept, 1)], dtype=np.float32)),
                 "ignore_index": np.int64(ignore_index), "label_smoothing": np.float32(eps), "z_loss": np.float32(z)}
 
     def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
-        """loss, lse and grad against `reference` in float64 from the stored logits. lse within
-        FP32_COEF (|lse| + 1); the loss within FP32_COEF times the magnitudes of its terms; the
-        gradient within its rounding to the dtype plus FP32_COEF scale p (1 + 2z|lse|)(1 + |x - lse|),
-        an exponential's error from its argument's. Equal infinities match."""
-        x = to_float64(inputs["logits"], problem.dtype, xp)
-        t = inputs["target"].astype(np.int64)
+        """loss, lse and grad against `reference` in float64 from the stored logits, CHECK_ROWS
+        rows at a time (float64 copies of the whole logits would not fit beside them)."""
+        m = problem.shape[0]
+        for start in range(0, m, CHECK_ROWS):
+            rows = slice(start, min(m, start + CHECK_ROWS))
+            wrong = self._check_rows(problem, inputs, outputs, rows, xp)
+            if wrong:
+                return wrong if start == 0 else f"rows from {start}: {wrong}"
+        return None
+
+    def _check_rows(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], rows: slice,
+                    xp: Any) -> str | None:
+        """lse within FP32_COEF (|lse| + 1); the loss within FP32_COEF times the magnitudes of its
+        terms; the gradient within its rounding to the dtype plus FP32_COEF scale p (1 + 2z|lse|)
+        (1 + |x - lse|), an exponential's error from its argument's. Equal infinities match."""
+        x = to_float64(inputs["logits"][rows], problem.dtype, xp)
+        t = inputs["target"][rows].astype(np.int64)
         ignore, eps, z = int(inputs["ignore_index"]), float(inputs["label_smoothing"]), float(inputs["z_loss"])
         scale = float(inputs["scale"][0])
         loss_ref, lse_ref, grad_ref = reference(x, t, ignore, eps, z, scale, xp)
-        lse = outputs["lse"].astype(np.float64)
-        loss = outputs["loss"].astype(np.float64)
-        grad = to_float64(outputs["grad"], problem.dtype, xp)
+        lse = outputs["lse"][rows].astype(np.float64)
+        loss = outputs["loss"][rows].astype(np.float64)
+        grad = to_float64(outputs["grad"][rows], problem.dtype, xp)
         kept = t != ignore
-        lse_tol = FP32_COEF * (xp.abs(lse_ref) + 1)
-        wrong = _worst_row("lse", lse, lse_ref, lse_tol, xp)
+        wrong = _worst_row("lse", lse, lse_ref, FP32_COEF * (xp.abs(lse_ref) + 1), xp)
         if wrong:
             return wrong
-        xt = xp.where(kept, x[xp.arange(x.shape[0]), xp.where(kept, t, 0)], 0.0)
-        with np.errstate(invalid="ignore"):
-            terms = xp.abs(lse_ref) + xp.abs(xt) + eps * xp.abs(x.mean(axis=1)) + z * lse_ref ** 2 + 1
+        # the terms' finite magnitudes (an infinite loss must be matched exactly)
+        finite = xp.where(xp.isfinite(x), xp.abs(x), 0.0)
+        xt = xp.where(kept, finite[xp.arange(x.shape[0]), xp.where(kept, t, 0)], 0.0)
+        terms = xp.abs(lse_ref) + xt + eps * finite.mean(axis=1) + z * lse_ref ** 2 + 1
         wrong = _worst_row("loss", loss, loss_ref, FP32_COEF * terms, xp)
         if wrong:
             return wrong
         rtol, abs_atol = GRAD_TOLERANCE[problem.dtype]
-        p = xp.exp(x - lse_ref[:, None])
         with np.errstate(invalid="ignore"):
+            p = xp.exp(x - lse_ref[:, None])
             spread = xp.where(p > 0, 1 + xp.abs(x - lse_ref[:, None]), 0.0)
         tol = rtol * xp.abs(grad_ref) + FP32_COEF * scale * p * (1 + 2 * z * xp.abs(lse_ref[:, None])) * spread \
             + FP32_COEF * scale * (eps / x.shape[1] + 2 ** -20) + abs_atol
@@ -293,14 +308,10 @@ def _check_arguments(who: str, logits: Any, target: Any, ignore_index: Any, labe
         raise TypeError(f"{who}: {first} must be a CUDA torch tensor, not {type(logits).__name__}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{who}: target must be a torch tensor of class indices, not {type(target).__name__}")
-    if not logits.is_cuda:
-        raise TypeError(f"{who}: {first} is a CPU tensor; move it to the GPU first ({first}.cuda())")
     if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"{who}: unsupported {first} dtype {logits.dtype}; use float32, float16 or bfloat16")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{who}: target must hold int64 or int32 class indices, got {target.dtype}")
-    if target.device != logits.device:
-        raise ValueError(f"{who}: target is on {target.device}, {first} on {logits.device}; put them on one device")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{who}: ignore_index must be an int, got {type(ignore_index).__name__}")
     for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
@@ -313,6 +324,17 @@ def _check_arguments(who: str, logits: Any, target: Any, ignore_index: Any, labe
     if reduction not in reductions:
         raise ValueError(f"{who}: reduction must be one of {', '.join(map(repr, reductions))}, got {reduction!r}")
     return torch
+
+
+def _check_devices(who: str, named: Mapping[str, Any]) -> None:
+    """TypeError for a CPU tensor, ValueError for tensors on several GPUs: checked last, so that
+    every other error shows on the CPU too."""
+    for name, tensor in named.items():
+        if tensor is not None and not tensor.is_cuda:
+            raise TypeError(f"{who}: {name} is a CPU tensor; move it to the GPU first ({name}.cuda())")
+    devices = {tensor.device for tensor in named.values() if tensor is not None}
+    if len(devices) > 1:
+        raise ValueError(f"{who}: {', '.join(n for n, t in named.items() if t is not None)} must be on one device")
 
 
 class _Launcher:
@@ -477,6 +499,7 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
         raise TypeError("autosoft.cross_entropy: inplace_backward must be True or False")
     if logits.numel() == 0:
         raise ValueError(f"autosoft.cross_entropy: logits {tuple(logits.shape)} is empty")
+    _check_devices("autosoft.cross_entropy", {"logits": logits, "target": target})
     eps, z = float(label_smoothing), float(z_loss)
     if logits.requires_grad and torch.is_grad_enabled():
         loss, lse = _function_class(torch).apply(logits, target, ignore_index, eps, z, reduction, inplace_backward)
@@ -586,8 +609,6 @@ def linear_cross_entropy(hidden: Any, weight: Any, target: Any, bias: Any = None
     if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"{who}: target must be a tensor of shape {tuple(hidden.shape[:-1])} (hidden without H)")
     _check_arguments(who, hidden, target, ignore_index, label_smoothing, z_loss, reduction, ("mean", "sum"), "hidden")
-    if weight.device != hidden.device:
-        raise ValueError(f"{who}: weight is on {weight.device}, hidden on {hidden.device}; put them on one device")
     tokens = math.prod(hidden.shape[:-1])
     if tokens == 0:
         raise ValueError(f"{who}: hidden {tuple(hidden.shape)} has no tokens")
@@ -597,6 +618,7 @@ def linear_cross_entropy(hidden: Any, weight: Any, target: Any, bias: Any = None
         raise ValueError(f"{who}: chunk_size must be a positive int, got {chunk_size!r}")
     else:
         chunk = min(chunk_size, tokens)
+    _check_devices(who, {"hidden": hidden, "weight": weight, "bias": bias, "target": target})
     h = hidden.reshape(tokens, hidden.shape[-1])
     t = target.reshape(tokens)
     eps, z = float(label_smoothing), float(z_loss)

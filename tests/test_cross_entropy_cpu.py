@@ -1,0 +1,301 @@
+"""The cross_entropy family on the CPU tier: problems and options, the search space (defaults for
+every benchmark vocabulary, every strategy reachable), rendering and NVRTC compilation of every
+strategy for sm_90 and sm_80, register spills of the defaults under nvcc, the float64 reference
+against torch's F.cross_entropy and autograd, `check` (NumPy standing in for CuPy) accepting an
+exact and an fp32-rounded result while rejecting wrong ones, and the public functions' argument
+errors (which all show before any GPU is touched)."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from autosoft.compile import COMPILE_OPTIONS, compile_source
+from autosoft.dtypes import to_storage
+from autosoft.errors import UserError
+from autosoft.families import get_family
+from autosoft.families.base import Target, build_variant, space_of
+from autosoft.families.cross_entropy import default_chunk, reference
+
+from helpers import nvcc_path
+
+FAMILY = get_family("cross_entropy")
+VOCABS = (32000, 50257, 128256, 151936, 256000)
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _valid(problem, arch: str = "90") -> list[dict]:
+    return space_of(FAMILY).valid_points(FAMILY.problem_values(problem, Target.for_arch(arch)))
+
+
+# --- problems ------------------------------------------------------------------------------------
+
+def test_problems_options_and_shapes():
+    problem = FAMILY.problem("4096x128256", "bfloat16", {"int32_target": True, "inplace": True})
+    assert problem.shape == (4096, 128256) and problem.shape_text == "4096x128256+inplace+int32_target"
+    assert FAMILY.parse_problem(problem.shape_text, "bfloat16") == problem
+    assert FAMILY.problem_for({"logits": (2, 3, 50257), "target": (2, 3), "scale": (1,)}, "float32", {}) == \
+        FAMILY.problem("6x50257", "float32")
+    with pytest.raises(ValueError, match="shape of logits"):
+        FAMILY.problem_for({"logits": (4, 10), "target": (5,)}, "float32", {})
+    with pytest.raises(ValueError, match="scalar"):
+        FAMILY.problem_for({"logits": (), "target": ()}, "float32", {})
+    with pytest.raises(UserError):
+        FAMILY.problem("4x8", "float32", {"log": True})
+    for bad in ("4096x", "0x5", "2x3x4"):
+        with pytest.raises(UserError):
+            FAMILY.problem(bad, "float32")
+    outs = FAMILY.caller_outputs({"logits": (2, 3, 7), "target": (2, 3)}, "float16", {})
+    assert outs == {"loss": ((2, 3), "float32"), "lse": ((2, 3), "float32"), "grad": ((2, 3, 7), "float16")}
+    assert FAMILY.bytes_moved(FAMILY.problem("4096x32000", "bfloat16")) == 2 * 4096 * 32000 * 2
+
+
+# --- the search space ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_defaults_are_valid_for_every_benchmark_vocabulary(arch):
+    target = Target.for_arch(arch)
+    for vocab in VOCABS:
+        for dtype in ("bfloat16", "float32"):
+            for tokens in (1, 7, 4096, 32768):
+                problem = FAMILY.problem(f"{tokens}x{vocab}", dtype)
+                params = FAMILY.default_params(problem, target)
+                assert FAMILY.is_valid(problem, target, params), (problem, params)
+                if arch == "80":
+                    assert params["combine"] != "cluster"  # clusters need sm_90
+
+
+def test_every_strategy_is_reachable_for_long_vocabularies():
+    """32000 bf16 fits one block's registers or shared memory; 128256 bf16 (250 KiB) fits neither,
+    and is held over a cluster or a grid of blocks, or streamed twice."""
+    kinds = {(p["storage"], p["combine"]) for p in _valid(FAMILY.problem("8x32000", "bfloat16"))}
+    assert {("registers", "none"), ("smem", "none"), ("reread", "none")} <= kinds
+    long = FAMILY.problem("8x128256", "bfloat16")
+    kinds = {(p["storage"], p["combine"]) for p in _valid(long)}
+    assert ("registers", "none") not in kinds and ("smem", "none") not in kinds
+    assert {("reread", "none"), ("registers", "cluster"), ("smem", "cluster"), ("registers", "grid"),
+            ("smem", "grid")} <= kinds
+    assert all(p["combine"] != "cluster" for p in _valid(long, "80"))
+
+
+def test_constraints_reject_what_cannot_work():
+    target = Target.for_arch("90")
+    problem = FAMILY.problem("4096x128256", "bfloat16")
+    base = FAMILY.default_params(problem, target)
+    for bad in ({"split": 1, "combine": "none", "storage": "registers"},  # 16 KB per thread
+                {"split": 2, "combine": "none"}, {"storage": "smem", "vec": 1},
+                {"combine": "grid", "split": 2},  # 8192 blocks cannot all be resident
+                {"storage": "registers", "unroll": 2}):
+        assert not FAMILY.is_valid(problem, target, {**base, **bad}), bad
+    with pytest.raises(UserError, match="variant invalid"):
+        build_variant(FAMILY, problem, {**base, "split": 2, "combine": "none"}, target)
+
+
+# --- rendering and compilation -------------------------------------------------------------------
+
+def _one_per_strategy(arch: str) -> list[tuple]:
+    """(problem, params): one valid point of each (storage, combine), streaming or not, for each
+    dtype and option, on shapes with unaligned rows (odd vocabularies)."""
+    picks = []
+    for shape, dtype, options in (("8x50257", "bfloat16", {}), ("4x128257", "float16", {"int32_target": True}),
+                                  ("6x32001", "float32", {"inplace": True}), ("3x33", "bfloat16", {})):
+        problem = FAMILY.problem(shape, dtype, options)
+        seen = set()
+        for params in _valid(problem, arch):
+            kind = (params["storage"], params["combine"], params["streaming"])
+            if kind not in seen:
+                seen.add(kind)
+                picks.append((problem, params))
+    return picks
+
+
+@pytest.mark.parametrize("arch", ["90", "80"])
+def test_every_strategy_renders_and_compiles(arch):
+    target = Target.for_arch(arch)
+    picks = _one_per_strategy(arch)
+    kinds = {(p["storage"], p["combine"]) for _, p in picks}
+    assert {("registers", "none"), ("smem", "none"), ("reread", "none"), ("registers", "grid")} <= kinds
+    if arch == "90":
+        assert {("registers", "cluster"), ("smem", "cluster")} <= kinds
+    for problem, params in picks:
+        variant = build_variant(FAMILY, problem, params, target)
+        assert "{{" not in variant.source and "{%" not in variant.source
+        assert ("__restrict__ x" in variant.source) != bool(problem.option("inplace"))
+        assert (".nc" in variant.source) != bool(problem.option("inplace"))  # coherent loads in place
+        assert ("typedef int target_t" in variant.source) == bool(problem.option("int32_target"))
+        (launch,) = variant.launches
+        assert launch.grid[0] == problem.shape[0] * params["split"]
+        assert launch.cooperative == (params["combine"] == "grid")
+        assert launch.cluster_blocks == (params["split"] if params["combine"] == "cluster" else 1)
+        result = compile_source(variant.source, arch)
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_defaults_of_the_benchmark_vocabularies_do_not_spill():
+    target = Target.for_arch("90")
+    for vocab in (32000, 50257, 128256, 256000):
+        for dtype in ("bfloat16", "float32"):
+            problem = FAMILY.problem(f"4096x{vocab}", dtype)
+            variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target)
+            out = subprocess.run([nvcc_path(), "-x", "cu", "-arch=sm_90", "-c", "-o", "/dev/null", *COMPILE_OPTIONS,
+                                  "-Xptxas", "-v", "-"], input=variant.source, capture_output=True, text=True)
+            assert out.returncode == 0, out.stderr[:2000]
+            spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out.stderr)]
+            assert spills and max(spills) == 0, f"{variant.name}: {out.stderr[-600:]}"
+
+
+# --- the reference -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("eps,z", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3), (0.2, 1e-2)])
+def test_reference_matches_torch_in_float64(eps, z):
+    """torch's F.cross_entropy (ignore_index, label_smoothing) plus z lse^2 per kept row, its
+    gradient by autograd, with -inf logits (the loss is infinite where smoothing meets them, as
+    in torch) and a vocabulary that is no multiple of any vector width."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    m, n = 37, 1025
+    x = torch.randn(m, n, dtype=torch.float64, generator=gen) * 3
+    x[torch.rand(m, n, generator=gen) < 0.2] = -float("inf")
+    x[torch.arange(m), (torch.arange(m) * 7 + 3) % n] = 1.0
+    t = torch.randint(0, n, (m,), generator=gen)
+    t[::5] = 11
+    xr = x.clone().requires_grad_()
+    per_row = torch.nn.functional.cross_entropy(xr, t, ignore_index=11, label_smoothing=eps, reduction="none")
+    per_row = per_row + z * torch.where(t != 11, torch.logsumexp(xr, -1) ** 2, 0)
+    kept = int((t != 11).sum())
+    (per_row.sum() / kept).backward()
+    loss, lse, grad = reference(x.numpy(), t.numpy(), 11, eps, z, 1 / kept)
+    expected = per_row.detach().numpy()
+    assert np.array_equal(np.isfinite(loss), np.isfinite(expected))
+    assert np.array_equal(loss[~np.isfinite(loss)], expected[~np.isfinite(expected)])
+    np.testing.assert_allclose(loss[np.isfinite(loss)], expected[np.isfinite(expected)], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, torch.logsumexp(x, -1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(grad, xr.grad.numpy(), rtol=1e-10, atol=1e-14)
+    assert (grad[::5] == 0).all() and (loss[::5] == 0).all()
+
+
+def test_reference_gives_nan_for_a_target_out_of_range():
+    x = np.random.default_rng(0).standard_normal((3, 10))
+    loss, _, grad = reference(x, np.array([0, 10, -100]), -100)
+    assert np.isfinite(loss[0]) and np.isnan(loss[1]) and loss[2] == 0
+    assert np.isfinite(grad).all() and (grad[2] == 0).all()
+
+
+# --- check ---------------------------------------------------------------------------------------
+
+def _outputs_of(problem, inputs, dtype_round: bool):
+    """What a correct kernel writes: the float64 reference, its grad rounded to the dtype (through
+    fp32 first with dtype_round)."""
+    from autosoft.dtypes import to_float64
+
+    x = to_float64(inputs["logits"], problem.dtype, np)
+    t = inputs["target"].astype(np.int64)
+    loss, lse, grad = reference(x, t, int(inputs["ignore_index"]), float(inputs["label_smoothing"]),
+                                float(inputs["z_loss"]), float(inputs["scale"][0]))
+    if dtype_round:
+        grad = grad.astype(np.float32).astype(np.float64)
+    return {"loss": loss.astype(np.float32), "lse": lse.astype(np.float32),
+            "grad": to_storage(grad.astype(np.float32), problem.dtype, np)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_check_accepts_right_results_and_rejects_wrong_ones(dtype):
+    problem = FAMILY.problem("40x1025", dtype, {"int32_target": dtype == "float16"})
+    for kind in FAMILY.input_kinds:
+        inputs = FAMILY.make_inputs(problem, kind, np, np.random.default_rng(1))
+        assert inputs["target"].dtype == (np.int32 if dtype == "float16" else np.int64)
+        assert (inputs["target"] == int(inputs["ignore_index"])).any(), "some rows are ignored"
+        good = _outputs_of(problem, inputs, True)
+        assert FAMILY.check(problem, inputs, good, np) is None, kind
+        t = inputs["target"].astype(np.int64)
+        row = int(np.flatnonzero(t != int(inputs["ignore_index"]))[0])
+        wrong_grad = {**good, "grad": good["grad"].copy()}
+        # the target's -(1 - eps) term dropped: what a kernel that misses the target writes
+        dropped = float(good["grad"][row, t[row]].astype(np.float64) if dtype != "bfloat16" else 0.0) \
+            + (1 - float(inputs["label_smoothing"])) * float(inputs["scale"][0])
+        wrong_grad["grad"][row, t[row]] = to_storage(np.array([dropped], np.float32), dtype, np)[0]
+        assert FAMILY.check(problem, inputs, wrong_grad, np) is not None, kind
+        for name in ("loss", "lse"):
+            off = {**good, name: good[name].copy()}
+            value = off[name][row]  # infinite where smoothing meets -inf logits: a finite one is wrong
+            off[name][row] = value + 0.01 * (abs(value) + 1) if np.isfinite(value) else 5.0
+            assert name in (FAMILY.check(problem, inputs, off, np) or ""), (kind, name)
+        unwritten = {**good, "grad": good["grad"].copy()}
+        unwritten["grad"][-1, -1] = to_storage(np.array([np.nan], np.float32), dtype, np)[0]
+        assert FAMILY.check(problem, inputs, unwritten, np) is not None
+
+
+def test_check_works_in_row_chunks(monkeypatch):
+    import autosoft.families.cross_entropy as module
+
+    monkeypatch.setattr(module, "CHECK_ROWS", 7)
+    problem = FAMILY.problem("40x65", "float32")
+    inputs = FAMILY.make_inputs(problem, "smoothed", np, np.random.default_rng(2))
+    good = _outputs_of(problem, inputs, True)
+    assert FAMILY.check(problem, inputs, good, np) is None
+    good["loss"][30] += 1.0
+    assert FAMILY.check(problem, inputs, good, np).startswith("rows from 28: loss")
+
+
+# --- the public functions' arguments -------------------------------------------------------------
+
+def test_cross_entropy_argument_errors_are_one_line():
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    x = torch.randn(4, 10)
+    t = torch.zeros(4, dtype=torch.int64)
+    cases = [
+        ((np.zeros((4, 10)), t), {}, TypeError, "logits must be a CUDA torch tensor"),
+        ((x, [0, 1, 2, 3]), {}, TypeError, "target must be a torch tensor"),
+        ((x.to(torch.int32), t), {}, TypeError, "unsupported logits dtype"),
+        ((x, t.float()), {}, TypeError, "int64 or int32"),
+        ((x, t), {"ignore_index": 1.5}, TypeError, "ignore_index must be an int"),
+        ((x, t), {"label_smoothing": 1.5}, ValueError, r"label_smoothing must be in \[0, 1\]"),
+        ((x, t), {"z_loss": -1.0}, ValueError, "z_loss must be finite"),
+        ((x, t), {"reduction": "avg"}, ValueError, "reduction must be one of"),
+        ((x, t[:3]), {}, ValueError, "must have the shape of logits"),
+        ((x, t), {"inplace_backward": 1}, TypeError, "inplace_backward must be True or False"),
+        ((x[:0], t[:0]), {}, ValueError, "is empty"),
+        ((x, t), {}, TypeError, r"logits is a CPU tensor; move it to the GPU first \(logits.cuda\(\)\)"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message) as info:
+            autosoft.cross_entropy(*args, **kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_linear_cross_entropy_argument_errors_are_one_line():
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    h = torch.randn(6, 8)
+    w = torch.randn(20, 8)
+    t = torch.zeros(6, dtype=torch.int64)
+    cases = [
+        ((h.numpy(), w, t), {}, TypeError, "hidden and weight must be CUDA torch tensors"),
+        ((h, w[:, :7], t), {}, ValueError, "do not fit"),
+        ((h, w.half(), t), {}, TypeError, "must share one dtype"),
+        ((h, w, t), {"bias": torch.zeros(19)}, ValueError, r"bias must be a tensor of shape \(20,\)"),
+        ((h, w, t[:5]), {}, ValueError, r"target must be a tensor of shape \(6,\)"),
+        ((h, w, t), {"reduction": "none"}, ValueError, "reduction must be one of 'mean', 'sum'"),
+        ((h, w, t), {"chunk_size": 0}, ValueError, "chunk_size must be a positive int"),
+        ((h, w, t), {"label_smoothing": -0.1}, ValueError, "label_smoothing"),
+        ((h, w, t), {}, TypeError, "hidden is a CPU tensor"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message) as info:
+            autosoft.linear_cross_entropy(*args, **kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_default_chunk_bounds_a_chunks_logits():
+    assert default_chunk(32768, 128256, 2) == 2048  # 2048 x 128256 x 2 bytes = 501 MiB
+    assert default_chunk(32768, 256000, 4) == 512
+    assert default_chunk(100, 128256, 2) == 100
+    for tokens, vocab, size in ((32768, 151936, 2), (8192, 50257, 4), (65536, 32000, 2)):
+        chunk = default_chunk(tokens, vocab, size)
+        assert chunk & (chunk - 1) == 0 and chunk * vocab * size <= 512 << 20
