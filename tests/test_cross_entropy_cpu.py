@@ -299,3 +299,119 @@ def test_default_chunk_bounds_a_chunks_logits():
     for tokens, vocab, size in ((32768, 151936, 2), (8192, 50257, 4), (65536, 32000, 2)):
         chunk = default_chunk(tokens, vocab, size)
         assert chunk & (chunk - 1) == 0 and chunk * vocab * size <= 512 << 20
+
+
+# --- the public functions' Python, on the CPU ----------------------------------------------------
+
+@pytest.fixture
+def kernel_on_the_cpu(monkeypatch):
+    """autosoft.cross_entropy's Python around a stand-in for the kernel launch: `reference` in
+    float64 on CPU tensors, writing over the logits where asked (devices left unchecked)."""
+    torch = pytest.importorskip("torch")
+    import autosoft.families.cross_entropy as module
+
+    launches = []
+
+    def forward(logits2d, target1d, scale, ignore_index, eps, z, inplace):
+        assert logits2d.is_contiguous() and logits2d.dim() == 2 and target1d.dim() == 1
+        loss, lse, grad = reference(logits2d.double().numpy(), target1d.long().numpy(), ignore_index, eps, z,
+                                    float(scale))
+        grad = torch.from_numpy(grad).to(logits2d.dtype)
+        if inplace:
+            logits2d.data.copy_(grad)  # as the kernel writes: no autograd version bump
+            grad = logits2d
+        launches.append((tuple(logits2d.shape), inplace))
+        return torch.from_numpy(loss).float(), torch.from_numpy(lse).float(), grad
+
+    monkeypatch.setattr(module, "_forward", forward)
+    monkeypatch.setattr(module, "_check_devices", lambda who, named: None)
+    return launches
+
+
+def _composition(torch, logits, target, ignore_index, eps, z, reduction):
+    x = logits.detach().double().requires_grad_()
+    per_row = torch.nn.functional.cross_entropy(x.reshape(-1, x.shape[-1]), target.reshape(-1).long(),
+                                                ignore_index=ignore_index, label_smoothing=eps, reduction="none")
+    kept = target.reshape(-1) != ignore_index
+    per_row = per_row + z * torch.where(kept, torch.logsumexp(x.reshape(-1, x.shape[-1]), -1) ** 2, 0)
+    loss = {"mean": per_row.sum() / kept.sum(), "sum": per_row.sum(), "none": per_row.reshape(target.shape)}[reduction]
+    return loss, x
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_python_reduces_and_backpropagates(kernel_on_the_cpu, reduction):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 33, generator=gen).requires_grad_()
+    target = torch.randint(0, 33, (2, 5), generator=gen, dtype=torch.int32)
+    target[0, 1] = 4
+    weight = torch.rand(2, 5, generator=gen) if reduction == "none" else torch.tensor(2.5)
+    loss = autosoft.cross_entropy(logits, target, ignore_index=4, label_smoothing=0.1, z_loss=1e-3,
+                                  reduction=reduction)
+    (loss * weight).sum().backward()
+    expected, x = _composition(torch, logits, target, 4, 0.1, 1e-3, reduction)
+    (expected * weight.double()).sum().backward()
+    assert loss.shape == expected.shape and loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        again, lse = autosoft.cross_entropy(logits, target, ignore_index=4, label_smoothing=0.1, z_loss=1e-3,
+                                            reduction=reduction, return_lse=True)
+    torch.testing.assert_close(again, loss.detach())
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits.detach().double(), -1))
+
+
+def test_cross_entropy_python_in_place_and_copies(kernel_on_the_cpu):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    logits = torch.randn(6, 40).requires_grad_()
+    kept = logits.detach().clone()
+    target = torch.randint(0, 40, (6,))
+    autosoft.cross_entropy(logits, target, inplace_backward=True).backward()
+    assert kernel_on_the_cpu[-1] == ((6, 40), True)
+    assert not torch.equal(logits.detach(), kept)  # the logits' memory took the gradient
+    loss64, x = _composition(torch, kept, target, -100, 0.0, 0.0, "mean")
+    loss64.backward()
+    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-6, atol=1e-7)
+    wide = torch.randn(6, 50)[:, 5:45].requires_grad_()  # not contiguous: copied, the copy takes the gradient
+    before = wide.detach().clone()
+    autosoft.cross_entropy(wide, target).backward()
+    assert kernel_on_the_cpu[-1] == ((6, 40), True) and torch.equal(wide.detach(), before)
+    assert wide.grad.shape == (6, 40)
+
+
+@pytest.mark.parametrize("bias,chunk", [(False, None), (True, 7), (True, 1)])
+def test_linear_cross_entropy_python_chunks_and_gradients(kernel_on_the_cpu, bias, chunk):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 10, 8, generator=gen).requires_grad_()
+    w = torch.randn(21, 8, generator=gen).requires_grad_()
+    b = torch.randn(21, generator=gen).requires_grad_() if bias else None
+    target = torch.randint(0, 21, (3, 10), generator=gen)
+    target[1, ::3] = -100
+    loss = autosoft.linear_cross_entropy(h, w, target, bias=b, label_smoothing=0.05, z_loss=1e-3,
+                                         chunk_size=chunk)
+    (loss * 3).backward()
+    sizes = [shape[0] for shape, inplace in kernel_on_the_cpu]
+    assert all(inplace for _, inplace in kernel_on_the_cpu)
+    assert sizes == ([30] if chunk is None else [min(chunk, 30 - s) for s in range(0, 30, chunk)])
+    h2, w2 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b2 = b.detach().double().requires_grad_() if bias else None
+    logits = h2 @ w2.t() + (b2 if bias else 0)
+    per_row = torch.nn.functional.cross_entropy(logits.reshape(-1, 21), target.reshape(-1), label_smoothing=0.05,
+                                                reduction="none")
+    kept = target.reshape(-1) != -100
+    per_row = per_row + 1e-3 * torch.where(kept, torch.logsumexp(logits.reshape(-1, 21), -1) ** 2, 0)
+    expected = per_row.sum() / kept.sum()
+    (expected * 3).backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in ((h.grad, h2.grad), (w.grad, w2.grad)) + (((b.grad, b2.grad),) if bias else ()):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(autosoft.linear_cross_entropy(h, w, target, bias=b, label_smoothing=0.05,
+                                                                 z_loss=1e-3, chunk_size=chunk), loss.detach())

@@ -553,6 +553,7 @@ def _linear_ce(torch: Any, hidden: Any, weight: Any, bias: Any, target: Any, ign
             grad_weight.addmm_(grad.t(), h)
         if grad_bias is not None:
             grad_bias.add_(grad.sum(dim=0))
+        del logits, x, grad  # before the next chunk's logits: one chunk's at a time
     return _reduced(torch, losses, target, ignore_index, reduction), grad_hidden, grad_weight, grad_bias
 
 
