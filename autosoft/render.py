@@ -3,12 +3,13 @@ digest of the template files a render reads (part of every cache key)."""
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import lexer, nodes
 
 from .resources import templates_dir
 
@@ -72,19 +73,22 @@ def render(template: str, args: Mapping[str, Any], root: str | None = None) -> s
 
 
 def template_digest(template: str, root: str | None = None, also: tuple[str, ...] = ()) -> str:
-    """sha256 of every template file a render of `template` can read: editing any of them retires
-    the cache entries made with the old text.
+    """sha256 of every template file a render of `template` can read, Jinja comments aside:
+    editing the code or text of any of them retires the cache entries made with the old text;
+    editing, adding or removing a comment keeps them.
 
     The rule: the template and the files `*.j2` directly in its own folder, directly in the
     root's `common/` folder (where there is one) and directly in the folders `also` names (a
-    family that extends another family's kernel names that family's folder), sorted by their path under the root, each fed to the
-    hash as its path, its length and its bytes. Folders rather than the names a template names,
-    because includes choose files by parameter at render time ("softmax/storage_" ~ storage),
-    which no reading of the template resolves.
+    family that extends another family's kernel names that family's folder), sorted by their
+    path under the root, each fed to the hash as its path, NUL, the length of its text without
+    comments (`without_comments`, in UTF-8), NUL, that text. Folders rather than the names a
+    template names, because includes choose files by parameter at render time
+    ("softmax/storage_" ~ storage), which no reading of the template resolves.
 
-    That this covers every file a render reads is what `check_references` proves (the
-    conformance suite runs it for every family); the digest itself only hashes bytes, since it is
-    computed on the first call of every process.
+    That this covers every file a render reads, and that every comment `without_comments` finds
+    is one Jinja reads, is what `check_references` proves (the conformance suite runs it for
+    every family); the digest itself only scans text, since it is computed on the first call of
+    every process.
     """
     base = Path(root) if root else templates_dir()
     folders = _covered_folders(template, base, also)
@@ -95,9 +99,37 @@ def template_digest(template: str, root: str | None = None, also: tuple[str, ...
     names = sorted(found)
     digest = hashlib.sha256()
     for name in names:
-        data = (base / name).read_bytes()
+        data = without_comments((base / name).read_text(encoding="utf-8")).encode()
         digest.update(f"{name}\0{len(data)}\0".encode() + data)
     return digest.hexdigest()
+
+
+# A Jinja comment: {# ... #}, with the whitespace-control signs ("-" strips the whitespace
+# beside it, "+" keeps what lstrip_blocks / trim_blocks would take). Comments do not nest.
+_COMMENT = re.compile(r"\{#([-+]?)(.*?)([-+]?)#\}", re.DOTALL)
+
+
+def without_comments(source: str) -> str:
+    """A template's text as the digest reads it, which renders as the template does: a comment
+    alone on its line, without signs, goes with its line (lstrip_blocks takes the indentation
+    before it and trim_blocks the newline after it: the line renders nothing); any other comment
+    keeps only its signs, as `{#<sign> <sign>#}` (what it strips around it depends on them and
+    on where it stands, never on what it says)."""
+    out: list[str] = []
+    at = 0
+    for match in _COMMENT.finditer(source):
+        start, end = match.span()
+        line_start = source.rfind("\n", 0, start) + 1
+        alone = (not match[1] and not match[3] and source[line_start:start].strip(" \t") == ""
+                 and source[end:end + 1] in ("\n", ""))
+        if alone:
+            out.append(source[at:line_start])
+            at = end + 1
+        else:
+            out.append(source[at:start] + "{#" + match[1] + " " + match[3] + "#}")
+            at = end
+    out.append(source[at:])
+    return "".join(out)
 
 
 def check_references(template: str, root: str | None = None, also: tuple[str, ...] = ()) -> None:
@@ -136,13 +168,27 @@ def _check_references(root: str | None, folders: tuple[str, ...], names: tuple[s
     env = environment(root)
     base = Path(root) if root else templates_dir()
     for name in names:
-        for target, exact in _references(env, name, (base / name).read_text(encoding="utf-8")):
+        source = (base / name).read_text(encoding="utf-8")
+        _check_comments(env, name, source)
+        for target, exact in _references(env, name, source):
             if (target not in names) if exact else (target.rpartition("/")[0] not in folders):
                 spelled = repr(target) if exact else f"a name computed from {target!r}"
                 raise jinja2.TemplateError(
                     f"{name} reads {spelled}, which the template digest would not cover: "
                     f"templates may include only files of their own folder, of {COMMON}/ and of the "
                     "folders their family declares in template_folders")
+
+
+def _check_comments(env: jinja2.Environment, name: str, source: str) -> None:
+    """Raise unless the comments `without_comments` finds are the ones Jinja's lexer reads, in
+    order (a "{#" inside a string of a tag or in a raw block is none): then the text it removes
+    never renders, and the digest sees every edit that changes a render."""
+    found = [match[2] for match in _COMMENT.finditer(source)]
+    read = [value for _, kind, value in env.lex(source, name) if kind == lexer.TOKEN_COMMENT]
+    if found != read:
+        raise jinja2.TemplateError(
+            f"{name}: a \"{{#\" that is not the start of a Jinja comment (in a string or a raw block); "
+            "the template digest, which drops comments, would misread it")
 
 
 def _references(env: jinja2.Environment, name: str, source: str) -> Iterator[tuple[str, bool]]:

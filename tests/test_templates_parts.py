@@ -111,8 +111,18 @@ def _template_files(root: Path) -> list[str]:
 
 
 def _edit(path: Path) -> None:
-    """A change that renders nothing: a Jinja comment at the end of the file."""
-    path.write_text(path.read_text() + "{# edited #}\n")
+    """A change of the template's text, not of a comment: a line of CUDA at the end of the file."""
+    path.write_text(path.read_text() + "// edited\n")
+
+
+def _edit_comments(path: Path) -> int:
+    """Comment-only edits: every Jinja comment's text changed (its whitespace-control signs
+    kept), and a comment line added at the end of the file. Returns the comments edited."""
+    import re
+
+    text, count = re.subn(r"\{#([-+]?)(.*?)([-+]?)#\}", r"{#\1\2 (edited)\3#}", path.read_text(), flags=re.DOTALL)
+    path.write_text(text + "  {# a new comment\n   over two lines #}\n")
+    return count
 
 
 def _recorded_loads(points) -> dict[str, set[str]]:
@@ -244,6 +254,28 @@ def test_both_templates_include_common_files(loads):
         assert {"common/dtype.cuh.j2", "common/ptx.cuh.j2"} <= loads[template]
 
 
+ROW_PARTS = {"common/row_vector.cuh.j2", "common/row_reduce.cuh.j2", "common/row_combine.cuh.j2"}
+
+
+def test_row_families_read_the_shared_row_parts(loads):
+    for template in ("softmax/softmax.cu.j2", "softmax_backward/softmax_backward.cu.j2"):
+        assert ROW_PARTS <= loads[template], template
+
+
+@pytest.mark.parametrize("definition", [
+    "union vec_t", "void unpack(const vec_t", "vec_t pack(const float", "vec_t {{ name }}(const raw_t* p)",
+    "void store_vec(", "float group_reduce(", "float group_sum(", "void reduce_pair(",
+    "float load_from_block(const float*", "float2 load_pair_from_block(", "struct RowExchange"])
+def test_row_helpers_are_defined_once_in_common(definition):
+    """The vector access and the reductions of row-wise families live in common/ only: a family
+    that copied one into its own folder would find this test."""
+    from autosoft.render import templates_dir
+
+    root = templates_dir()
+    holders = [name for name in _template_files(root) if definition in (root / name).read_text()]
+    assert len(holders) == 1 and holders[0] in ROW_PARTS, holders
+
+
 def test_softmax_reads_one_include_per_chosen_strategy(strategy_points):
     softmax = strategy_points[0][0]
     for family, problem, target, params in strategy_points:
@@ -257,9 +289,10 @@ def test_softmax_reads_one_include_per_chosen_strategy(strategy_points):
 
 def test_template_digest_is_the_documented_rule():
     """sha256 over the *.j2 files of the template's folder, of common/ and of the folders the
-    family declares it reads, sorted by path under the root, each as path, NUL, length, NUL, bytes."""
+    family declares it reads, sorted by path under the root, each as path, NUL, length, NUL and
+    its text without comments (render.without_comments), in UTF-8."""
     from autosoft.families.base import family_template_digest
-    from autosoft.render import templates_dir
+    from autosoft.render import templates_dir, without_comments
 
     root = templates_dir()
     for family in _families():
@@ -267,14 +300,70 @@ def test_template_digest_is_the_documented_rule():
         digest = hashlib.sha256()
         for name in sorted(n for n in _template_files(root)
                            if n.rpartition("/")[0] in folders and n.endswith(".j2")):
-            data = (root / name).read_bytes()
+            data = without_comments((root / name).read_text()).encode()
             digest.update(f"{name}\0{len(data)}\0".encode() + data)
         assert family_template_digest(family) == digest.hexdigest()
 
 
+@pytest.mark.parametrize("source, kept", [
+    ("a\n  {# why #}\nb\n", "a\nb\n"),                       # alone on its line: the line goes
+    ("{# one\n   and two #}\nb", "b"),                          # over several lines, at the start
+    ("a;  {# why #}\nb\n", "a;  {# #}\nb\n"),                  # after code: trim_blocks eats the newline
+    ("a\n{#- why #}\nb\n", "a\n{#- #}\nb\n"),                # signs strip around it: they stay
+    ("a\n{# why -#}\n  b", "a\n{# -#}\n  b"),
+    ("a\n{#+ why #}\nb\n", "a\n{#+ #}\nb\n"),
+    ("{{ x }} {% if x %}#{% endif %}\n", "{{ x }} {% if x %}#{% endif %}\n"),  # no comment: as it was
+])
+def test_without_comments_keeps_what_renders(source, kept):
+    from autosoft.render import environment, without_comments
+
+    assert without_comments(source) == kept
+    env = environment()
+    for x in (0, 1):
+        assert env.from_string(kept).render(x=x) == env.from_string(source).render(x=x)
+
+
+def test_a_comment_edit_keeps_every_digest_and_every_render(tmp_path, strategy_points):
+    """Every comment of every template file edited, and a comment added to each: no family's
+    digest changes (the tuned entries stay), and every strategy point renders the same bytes."""
+    from autosoft.families.base import build_variant
+    from autosoft.render import render, template_digest, templates_dir
+
+    copy = tmp_path / "templates"
+    shutil.copytree(templates_dir(), copy)
+    names = [name for name in _template_files(copy) if name.endswith(".j2")]
+    comments = sum((copy / name).read_text().count("{#") for name in names)
+    assert sum(_edit_comments(copy / name) for name in names) == comments > 0
+    for family in _families():
+        assert (template_digest(family.template, str(copy), family.template_folders)
+                == template_digest(family.template, None, family.template_folders)), family.name
+    for family, problem, target, params in strategy_points:
+        source = render(family.template, _render_args(family, problem, params, target), str(copy))
+        assert source == build_variant(family, problem, params, target).source
+
+
+def test_a_comment_that_strips_text_changes_the_digest_and_the_render(tmp_path, strategy_points):
+    """A comment whose "-" takes the newline before it is a change of the render, so of the digest."""
+    from autosoft.families.base import build_variant
+    from autosoft.render import render, template_digest, templates_dir
+
+    copy = tmp_path / "templates"
+    shutil.copytree(templates_dir(), copy)
+    path = copy / "softmax_backward" / "softmax_backward.cu.j2"
+    text = path.read_text()
+    assert text.count("\nconstexpr int N = ") == 1
+    path.write_text(text.replace("\nconstexpr int N = ", "\n{#- joined to the line above #}constexpr int N = "))
+    family = _families()[3]
+    assert (template_digest(family.template, str(copy), family.template_folders)
+            != template_digest(family.template, None, family.template_folders))
+    family, problem, target, params = next(p for p in strategy_points if p[0] is family)
+    source = render(family.template, _render_args(family, problem, params, target), str(copy))
+    assert source != build_variant(family, problem, params, target).source
+
+
 def test_digest_changes_when_any_file_a_render_reads_changes(tmp_path):
-    """Edit each template file in turn in a copy of templates/: the digest of every family
-    whose renders read it changes, and no other family's does."""
+    """Edit each template file in turn in a copy of templates/ (a line of code, not a comment):
+    the digest of every family whose renders read it changes, and no other family's does."""
     from autosoft.render import template_digest, templates_dir
 
     def digest(family, root):
@@ -309,6 +398,17 @@ def test_check_references_refuses_an_include_the_digest_would_not_cover(tmp_path
         assert template_digest("softmax/softmax.cu.j2", root=str(copy))  # the digest itself only hashes
 
 
+def test_check_references_refuses_a_comment_start_jinja_does_not_read(tmp_path):
+    """A "{#" inside a tag's string is no comment: the digest must not drop what follows it."""
+    from autosoft.render import check_references, templates_dir
+
+    shutil.copytree(templates_dir(), tmp_path / "t")
+    path = tmp_path / "t" / "softmax" / "storage_smem.cuh.j2"
+    path.write_text('{% set brace = "{#" %}\n' + path.read_text())
+    with pytest.raises(jinja2.TemplateError, match="not the start of a Jinja comment"):
+        check_references("softmax/softmax.cu.j2", root=str(tmp_path / "t"))
+
+
 def test_digest_of_a_family_with_its_own_root_and_no_common_folder(tmp_path):
     """tests/fault_family keeps its template at the top of its own root, beside Python files."""
     from autosoft.render import template_digest
@@ -318,9 +418,12 @@ def test_digest_of_a_family_with_its_own_root_and_no_common_folder(tmp_path):
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
     digest = template_digest("faulty.cu.j2", root=str(copy))
     assert digest == template_digest("faulty.cu.j2", root=str(source))  # __pycache__ is not hashed
-    data = (copy / "faulty.cu.j2").read_bytes()
+    data = (copy / "faulty.cu.j2").read_bytes()  # it holds no Jinja comment
+    assert b"{#" not in data
     assert digest == hashlib.sha256(f"faulty.cu.j2\0{len(data)}\0".encode() + data).hexdigest()
     (copy / "faulty.yaml").write_text((copy / "faulty.yaml").read_text() + "\n# not a template\n")
+    assert template_digest("faulty.cu.j2", root=str(copy)) == digest
+    _edit_comments(copy / "faulty.cu.j2")
     assert template_digest("faulty.cu.j2", root=str(copy)) == digest
     _edit(copy / "faulty.cu.j2")
     assert template_digest("faulty.cu.j2", root=str(copy)) != digest
