@@ -415,3 +415,27 @@ def test_linear_cross_entropy_python_chunks_and_gradients(kernel_on_the_cpu, bia
     with torch.no_grad():
         torch.testing.assert_close(autosoft.linear_cross_entropy(h, w, target, bias=b, label_smoothing=0.05,
                                                                  z_loss=1e-3, chunk_size=chunk), loss.detach())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_traces_one_operator_with_its_backward(kernel_on_the_cpu, reduction):
+    """Under torch.compile (fullgraph: no graph break) autosoft.cross_entropy is the operator
+    torch.ops.autosoft_ce.cross_entropy, whose backward AOTAutograd traces."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(2, 6, 50, generator=gen).requires_grad_()
+    target = torch.randint(0, 50, (2, 6), generator=gen)
+    target[1, 2] = -100
+    weight = torch.rand(2, 6, generator=gen) if reduction == "none" else torch.tensor(1.5)
+
+    def step(x, t):
+        return (autosoft.cross_entropy(x, t, label_smoothing=0.1, z_loss=1e-3, reduction=reduction) * weight).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(logits, target).backward()
+    expected, x = _composition(torch, logits, target, -100, 0.1, 1e-3, reduction)
+    (expected * weight.double()).sum().backward()
+    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-6, atol=1e-7)
+    assert kernel_on_the_cpu, "the operator ran the (stand-in) kernel"

@@ -327,3 +327,17 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     variant = build_variant(FAMILY, problem, entry.params, _device().target)
     outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
     assert outcome.ok, outcome.message
+
+
+def test_torch_compile_runs_the_operator_and_its_backward(cache_dir):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    logits = _logits(torch, 64, 32000, "bfloat16", seed=14, neg_inf=False).requires_grad_()
+    target = _targets(torch, 64, 32000, -100, seed=14)
+    step = torch.compile(lambda x, t: autosoft.cross_entropy(x, t, label_smoothing=0.1), fullgraph=True)
+    loss = step(logits, target)
+    loss.backward()
+    expected, expected_grad = _torch_reference(torch, logits, target, -100, 0.1, 0.0, "mean")
+    _assert_close(torch, loss, expected, 1e-5, 1e-6, "loss")
+    _assert_close(torch, logits.grad, expected_grad, GRAD_RTOL["bfloat16"], 1e-7, "grad")

@@ -489,7 +489,9 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
     inplace_backward=True lets that gradient overwrite the logits (as Liger's): the logits'
     memory is reused, and their values are gone after the call. Called without gradients
     (no requires_grad, or under torch.no_grad()), the gradient is computed and dropped.
-    A target outside [0, V) that is not ignore_index gives a NaN loss (torch raises)."""
+    A target outside [0, V) that is not ignore_index gives a NaN loss (torch raises).
+    While torch.compile traces, it is the operator torch.ops.autosoft_ce.cross_entropy
+    (autosoft/families/_cross_entropy_op.py)."""
     torch = _check_arguments("autosoft.cross_entropy", logits, target, ignore_index, label_smoothing, z_loss,
                              reduction)
     if logits.dim() == 0 or tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -501,7 +503,12 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
         raise ValueError(f"autosoft.cross_entropy: logits {tuple(logits.shape)} is empty")
     _check_devices("autosoft.cross_entropy", {"logits": logits, "target": target})
     eps, z = float(label_smoothing), float(z_loss)
-    if logits.requires_grad and torch.is_grad_enabled():
+    if torch.compiler.is_compiling():  # one operator for the graph (the gradient never in place)
+        from . import _cross_entropy_op  # Dynamo imports it for real: its registration is not traced
+
+        per_row, lse, _ = _cross_entropy_op.cross_entropy(logits, target, ignore_index, eps, z)
+        loss = _reduced(torch, per_row, target, ignore_index, reduction)
+    elif logits.requires_grad and torch.is_grad_enabled():
         loss, lse = _function_class(torch).apply(logits, target, ignore_index, eps, z, reduction, inplace_backward)
     else:
         x, t, copied = _prepared(torch, logits, target)
