@@ -439,3 +439,16 @@ def test_torch_compile_traces_one_operator_with_its_backward(kernel_on_the_cpu, 
     (expected * weight.double()).sum().backward()
     torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-6, atol=1e-7)
     assert kernel_on_the_cpu, "the operator ran the (stand-in) kernel"
+
+
+def test_every_row_ignored_gives_a_nan_mean_and_zero_gradients(kernel_on_the_cpu):
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    logits = torch.randn(5, 30).requires_grad_()
+    target = torch.full((5,), -100)
+    loss = autosoft.cross_entropy(logits, target)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(torch.nn.functional.cross_entropy(logits, target))
+    assert (logits.grad == 0).all()
+    assert autosoft.cross_entropy(logits, target, reduction="sum") == 0

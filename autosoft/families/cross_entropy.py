@@ -417,19 +417,22 @@ def _prepared(torch: Any, logits: Any, target: Any) -> tuple[Any, Any, bool]:
 
 
 def _scale_of(torch: Any, target: Any, ignore_index: int, reduction: str) -> Any:
-    """The one-element float32 scale of the gradient: 1 / the rows kept for a mean (1 when none
-    is kept: every row's gradient is zero then), else 1. No host synchronisation."""
+    """The one-element float32 scale of the gradient: 1 / the rows kept for a mean, else 1. No
+    host synchronisation. With no row kept it is inf, which no row's gradient meets (the kernel
+    scales only the rows kept) and which makes the mean NaN, as torch's."""
     if reduction == "mean":
-        kept = (target != ignore_index).sum().clamp_(min=1)
-        return (1.0 / kept.to(torch.float32)).reshape(1)
+        return (target != ignore_index).sum(dtype=torch.float32).reciprocal().reshape(1)
     return torch.ones(1, dtype=torch.float32, device=target.device)
 
 
-def _reduced(torch: Any, loss: Any, target: Any, ignore_index: int, reduction: str) -> Any:
+def _reduced(torch: Any, loss: Any, target: Any, ignore_index: int, reduction: str, scale: Any = None) -> Any:
+    """The per-row losses reduced; a mean through the gradient's scale where given (fewer kernels)."""
     if reduction == "none":
         return loss
     if reduction == "sum":
         return loss.sum()
+    if scale is not None:
+        return (loss.sum() * scale).reshape(())
     return loss.sum() / (target != ignore_index).sum()  # 0 / 0 = NaN when every row is ignored, as torch
 
 
@@ -459,7 +462,7 @@ def _function_class(torch: Any) -> Any:
                 ctx.shape = logits.shape
                 lse = lse.reshape(target.shape)
                 ctx.mark_non_differentiable(lse)
-                return _reduced(torch, loss, t, ignore_index, reduction).reshape(
+                return _reduced(torch, loss, t, ignore_index, reduction, scale).reshape(
                     target.shape if reduction == "none" else ()), lse
 
             @staticmethod
@@ -514,7 +517,8 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
         x, t, copied = _prepared(torch, logits, target)
         scale = _scale_of(torch, t, ignore_index, reduction)
         loss, lse, _ = _forward(x, t, scale, ignore_index, eps, z, copied)
-        loss = _reduced(torch, loss, t, ignore_index, reduction).reshape(target.shape if reduction == "none" else ())
+        loss = _reduced(torch, loss, t, ignore_index, reduction, scale).reshape(
+            target.shape if reduction == "none" else ())
         lse = lse.reshape(target.shape)
     return (loss, lse) if return_lse else loss
 
@@ -561,7 +565,7 @@ def _linear_ce(torch: Any, hidden: Any, weight: Any, bias: Any, target: Any, ign
         if grad_bias is not None:
             grad_bias.add_(grad.sum(dim=0))
         del logits, x, grad  # before the next chunk's logits: one chunk's at a time
-    return _reduced(torch, losses, target, ignore_index, reduction), grad_hidden, grad_weight, grad_bias
+    return _reduced(torch, losses, target, ignore_index, reduction, scale), grad_hidden, grad_weight, grad_bias
 
 
 def _linear_function_class(torch: Any) -> Any:
