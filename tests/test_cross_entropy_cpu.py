@@ -52,6 +52,21 @@ def test_problems_options_and_shapes():
     assert FAMILY.bytes_moved(FAMILY.problem("4096x32000", "bfloat16")) == 2 * 4096 * 32000 * 2
 
 
+def test_a_tuned_variant_serves_the_other_options_and_row_counts():
+    """The options change loads and the target type only: an entry tuned without them is borrowed
+    for them (one step each), as for another row count (log2 steps)."""
+    plain = FAMILY.problem("2048x128256", "bfloat16")
+    both = FAMILY.problem("2048x128256", "bfloat16", {"inplace": True, "int32_target": True})
+    assert FAMILY.problem_distance(plain, both) == FAMILY.problem_distance(both, plain) == 2
+    assert FAMILY.problem_distance(plain, FAMILY.problem("8192x128256", "bfloat16")) == 2
+    assert FAMILY.problem_distance(plain, FAMILY.problem("2048x151936", "bfloat16")) > 0.9
+    target = Target.for_arch("90")
+    params = FAMILY.default_params(plain, target)
+    assert FAMILY.is_valid(both, target, params)
+    assert build_variant(FAMILY, both, params, target).name == build_variant(FAMILY, plain, params, target).name + \
+        "_i32_inplace"
+
+
 # --- the search space ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["90", "80"])

@@ -87,6 +87,14 @@ class CrossEntropyFamily(RowsFamily):
         rows = tuple(shapes["target"])
         return {"loss": (rows, "float32"), "lse": (rows, "float32"), "grad": (tuple(shapes["logits"]), dtype)}
 
+    def problem_distance(self, a: Problem, b: Problem) -> float:
+        """shape_distance, plus one step per option that differs: the options change only the
+        kernels' loads and target type, so a variant tuned for int64 targets and a separate
+        gradient serves int32 targets or an in-place gradient too (verified there, as any
+        borrowed variant is)."""
+        differ = len(set(a.options) ^ set(b.options))
+        return self.shape_distance(a.shape, b.shape) + differ
+
     # --- variants ------------------------------------------------------------------------------
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
