@@ -307,13 +307,15 @@ def test_linear_cross_entropy_argument_errors_are_one_line():
         assert "\n" not in str(info.value)
 
 
-def test_default_chunk_bounds_a_chunks_logits():
-    assert default_chunk(32768, 128256, 2) == 2048  # 2048 x 128256 x 2 bytes = 501 MiB
-    assert default_chunk(32768, 256000, 4) == 512
-    assert default_chunk(100, 128256, 2) == 100
-    for tokens, vocab, size in ((32768, 151936, 2), (8192, 50257, 4), (65536, 32000, 2)):
-        chunk = default_chunk(tokens, vocab, size)
-        assert chunk & (chunk - 1) == 0 and chunk * vocab * size <= 512 << 20
+def test_default_chunk_is_ligers_and_bounds_a_chunks_logits():
+    """Liger's choice for the issue's rows: 8192 and 32768 tokens, hidden 4096, vocab 128256
+    (ceil(V/H) = 32) and 151936 (38)."""
+    assert default_chunk(8192, 128256, 4096) == 256 and default_chunk(32768, 128256, 4096) == 1024
+    assert default_chunk(8192, 151936, 4096) == 256 and default_chunk(32768, 151936, 4096) == 1024
+    assert default_chunk(100, 128256, 4096) == 4 and default_chunk(3, 10, 4096) == 3
+    for tokens, vocab, hidden in ((32768, 151936, 4096), (8192, 50257, 2048), (65536, 32000, 8192)):
+        chunk = default_chunk(tokens, vocab, hidden)
+        assert chunk & (chunk - 1) == 0 and chunk * vocab < 2 * tokens * hidden  # logits < 2x the hidden states
 
 
 # --- the public functions' Python, on the CPU ----------------------------------------------------
@@ -414,7 +416,8 @@ def test_linear_cross_entropy_python_chunks_and_gradients(kernel_on_the_cpu, bia
     (loss * 3).backward()
     sizes = [shape[0] for shape, inplace in kernel_on_the_cpu]
     assert all(inplace for _, inplace in kernel_on_the_cpu)
-    assert sizes == ([30] if chunk is None else [min(chunk, 30 - s) for s in range(0, 30, chunk)])
+    step = default_chunk(30, 21, 8) if chunk is None else chunk  # 16: ceil(21 / 8) = 3, 30 / 3 -> 16
+    assert sizes == [min(step, 30 - s) for s in range(0, 30, step)]
     h2, w2 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     b2 = b.detach().double().requires_grad_() if bias else None
     logits = h2 @ w2.t() + (b2 if bias else 0)

@@ -533,16 +533,12 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
 
 # --- linear + cross-entropy, chunked over the tokens ---------------------------------------------
 
-CHUNK_LOGITS_BYTES = 512 * 1024 * 1024
-"""The default chunk: as many tokens as keep one chunk's logits near this many bytes (a
-power of two of tokens, at least 256); benchmarks/cross_entropy.py --linear measures the others."""
-
-
-def default_chunk(tokens: int, vocab: int, itemsize: int) -> int:
-    """Tokens per chunk: a power of two whose logits are at most CHUNK_LOGITS_BYTES (at least 256
-    tokens), never more than the tokens."""
-    rows = max(256, pow2_floor(max(1, CHUNK_LOGITS_BYTES // (vocab * itemsize))))
-    return min(tokens, rows)
+def default_chunk(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk: as Liger's fused linear cross-entropy chooses, so that a chunk's logits
+    are about the size of the hidden states (the power of two at or above tokens / ceil(V / H)),
+    and the peak memory matches its; never more than the tokens. benchmarks/cross_entropy.py
+    --linear measures other sizes."""
+    return min(tokens, pow2_ceil(-(-tokens // -(-vocab // hidden))))
 
 
 def _linear_ce(torch: Any, hidden: Any, weight: Any, bias: Any, target: Any, ignore_index: int, eps: float,
@@ -610,7 +606,7 @@ def linear_cross_entropy(hidden: Any, weight: Any, target: Any, bias: Any = None
     """cross_entropy(hidden @ weight.T + bias, target, ...) without the whole logits: hidden (..., H)
     and weight (V, H) CUDA torch tensors of one dtype (float32, float16, bfloat16), bias (V,) or
     None, target (...) int64 or int32. The tokens go in chunks of chunk_size (default:
-    `default_chunk`, about CHUNK_LOGITS_BYTES of logits): each chunk's logits come from
+    `default_chunk`: logits about the size of the hidden states): each chunk's logits come from
     torch.matmul, the cross_entropy kernel writes their gradient over them, and two more matmuls
     turn it into the gradients of hidden and weight, computed in the forward when they are needed
     (the logits are never kept). reduction "mean" or "sum" (a per-row loss cannot be chunked
@@ -633,7 +629,7 @@ def linear_cross_entropy(hidden: Any, weight: Any, target: Any, bias: Any = None
     if tokens == 0:
         raise ValueError(f"{who}: hidden {tuple(hidden.shape)} has no tokens")
     if chunk_size is None:
-        chunk = default_chunk(tokens, weight.shape[0], hidden.element_size())
+        chunk = default_chunk(tokens, weight.shape[0], weight.shape[1])
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{who}: chunk_size must be a positive int, got {chunk_size!r}")
     else:
