@@ -151,7 +151,7 @@ def test_every_strategy_renders_and_compiles(arch):
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_defaults_of_the_benchmark_vocabularies_do_not_spill():
     target = Target.for_arch("90")
-    for vocab in (32000, 50257, 128256, 256000):
+    for vocab in VOCABS:
         for dtype in ("bfloat16", "float32"):
             problem = FAMILY.problem(f"4096x{vocab}", dtype)
             variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target)

@@ -133,8 +133,9 @@ class CrossEntropyFamily(RowsFamily):
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
         """A sensible variant without tuning: 16-byte vectors, the row held in the registers of one
-        block (about eight vectors a thread, else four); longer rows held over a cluster of 2..16
-        blocks (sm_90), else staged in shared memory, else streamed twice. Blocks of 512 threads
+        block (about eight vectors a thread, else four); longer rows held over a cluster of 2..8
+        blocks (sm_90), else staged over one, else held over 16; else staged in the shared memory
+        of one block, else streamed twice. Blocks of 512 threads
         come first: at 1024 threads (64 registers each) ptxas spills some held rows of 16-bit data
         (nvcc -Xptxas -v: 4096x32000 bfloat16, 4 vectors a thread, 56 bytes)."""
         m, n = problem.shape
@@ -144,8 +145,13 @@ class CrossEntropyFamily(RowsFamily):
                                     "split": 1, "combine": "none", "streaming": False}
         candidates = [{**p, "threads": min(1024, max(128, pow2_ceil(-(-vectors // per))))} for per in (8, 4)]
         if int(target.arch) >= 90:
-            candidates += [{**p, "threads": t, "split": s, "combine": "cluster"} for s in (2, 4, 8, 16)
+            # portable clusters (at most 8 blocks) first, held in registers, then staged in shared
+            # memory; 16 blocks last: a cluster of 16 needs 16 SMs of one GPC free at once
+            cluster = {**p, "combine": "cluster"}
+            candidates += [{**cluster, "threads": t, "split": s} for t in (512, 1024) for s in (2, 4, 8)]
+            candidates += [{**cluster, "storage": "smem", "threads": t, "split": s} for s in (2, 4, 8)
                            for t in (512, 1024)]
+            candidates += [{**cluster, "threads": t, "split": 16} for t in (512, 1024)]
         candidates += [{**p, "storage": "smem", "threads": t} for t in (1024, 512)]
         candidates += [{**p, "storage": "reread", "threads": 1024, "unroll": u} for u in (4, 2, 1)]
         for candidate in candidates:
