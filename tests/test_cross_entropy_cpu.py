@@ -49,6 +49,9 @@ def test_problems_options_and_shapes():
             FAMILY.problem(bad, "float32")
     outs = FAMILY.caller_outputs({"logits": (2, 3, 7), "target": (2, 3)}, "float16", {})
     assert outs == {"loss": ((2, 3), "float32"), "lse": ((2, 3), "float32"), "grad": ((2, 3, 7), "float16")}
+    outs = FAMILY.caller_outputs({"logits": (2, 3, 7), "target": (2, 3)}, "float16", {"loss_only": True})
+    assert outs["grad"] == ((2, 3, 0), "float16")
+    assert FAMILY.output_specs(FAMILY.problem("6x7", "float16", {"loss_only": True}))["grad"] == ((6, 0), "float16")
     assert FAMILY.bytes_moved(FAMILY.problem("4096x32000", "bfloat16")) == 2 * 4096 * 32000 * 2
 
 
@@ -115,7 +118,8 @@ def _one_per_strategy(arch: str) -> list[tuple]:
     dtype and option, on shapes with unaligned rows (odd vocabularies)."""
     picks = []
     for shape, dtype, options in (("8x50257", "bfloat16", {}), ("4x128257", "float16", {"int32_target": True}),
-                                  ("6x32001", "float32", {"inplace": True}), ("3x33", "bfloat16", {})):
+                                  ("6x32001", "float32", {"inplace": True}), ("3x33", "bfloat16", {}),
+                                  ("5x50257", "bfloat16", {"loss_only": True})):
         problem = FAMILY.problem(shape, dtype, options)
         seen = set()
         for params in _valid(problem, arch):
@@ -140,6 +144,7 @@ def test_every_strategy_renders_and_compiles(arch):
         assert ("__restrict__ x" in variant.source) != bool(problem.option("inplace"))
         assert (".nc" in variant.source) != bool(problem.option("inplace"))  # coherent loads in place
         assert ("typedef int target_t" in variant.source) == bool(problem.option("int32_target"))
+        assert ("write_gradient(xs" in variant.source) != bool(problem.option("loss_only"))
         (launch,) = variant.launches
         assert launch.grid[0] == problem.shape[0] * params["split"]
         assert launch.cooperative == (params["combine"] == "grid")
@@ -329,15 +334,15 @@ def kernel_on_the_cpu(monkeypatch):
 
     launches = []
 
-    def forward(logits2d, target1d, scale, ignore_index, eps, z, inplace):
+    def forward(logits2d, target1d, scale, ignore_index, eps, z, inplace, loss_only=False):
         assert logits2d.is_contiguous() and logits2d.dim() == 2 and target1d.dim() == 1
         loss, lse, grad = reference(logits2d.double().numpy(), target1d.long().numpy(), ignore_index, eps, z,
                                     float(scale))
-        grad = torch.from_numpy(grad).to(logits2d.dtype)
-        if inplace:
+        grad = None if loss_only else torch.from_numpy(grad).to(logits2d.dtype)
+        if inplace and not loss_only:
             logits2d.data.copy_(grad)  # as the kernel writes: no autograd version bump
             grad = logits2d
-        launches.append((tuple(logits2d.shape), inplace))
+        launches.append((tuple(logits2d.shape), "loss_only" if loss_only else inplace))
         return torch.from_numpy(loss).float(), torch.from_numpy(lse).float(), grad
 
     monkeypatch.setattr(module, "_forward", forward)
@@ -376,6 +381,7 @@ def test_cross_entropy_python_reduces_and_backpropagates(kernel_on_the_cpu, redu
     with torch.no_grad():
         again, lse = autosoft.cross_entropy(logits, target, ignore_index=4, label_smoothing=0.1, z_loss=1e-3,
                                             reduction=reduction, return_lse=True)
+    assert kernel_on_the_cpu[-1] == ((10, 33), "loss_only")  # no gradient written without autograd
     torch.testing.assert_close(again, loss.detach())
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits.detach().double(), -1))
 
@@ -433,6 +439,7 @@ def test_linear_cross_entropy_python_chunks_and_gradients(kernel_on_the_cpu, bia
     with torch.no_grad():
         torch.testing.assert_close(autosoft.linear_cross_entropy(h, w, target, bias=b, label_smoothing=0.05,
                                                                  z_loss=1e-3, chunk_size=chunk), loss.detach())
+    assert kernel_on_the_cpu[-1][1] == "loss_only"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -50,7 +50,7 @@ def _one_per_strategy(problem: Problem) -> list[dict]:
 
 PROBLEMS = [("3x33", "bfloat16", {}), ("5x1025", "float32", {"int32_target": True}), ("64x32000", "bfloat16", {}),
             ("33x50257", "float16", {"inplace": True}), ("16x128256", "bfloat16", {}), ("8x151936", "float32", {}),
-            ("4x256000", "bfloat16", {"int32_target": True})]
+            ("4x256000", "bfloat16", {"int32_target": True}), ("40x50257", "float32", {"loss_only": True})]
 
 
 @pytest.mark.parametrize("example", PROBLEMS, ids=lambda e: f"{e[0]}-{e[1]}-{'-'.join(e[2])}")

@@ -11,7 +11,8 @@ z-loss weight z (run-time scalars, as is ignore_index):
 with `scale` a one-element float32 array (1 / the rows kept for a mean, else 1): the gradient of
 the reduced loss for an incoming gradient of 1, which the backward only rescales by the incoming
 gradient where that is not 1. torch's F.cross_entropy(label_smoothing=eps) plus z lse^2 (PaLM's
-z-loss). The option `inplace` compiles kernels that may write grad over the logits themselves.
+z-loss). The option `inplace` compiles kernels that may write grad over the logits themselves;
+`loss_only` kernels write no gradient (grad is then an empty (M, 0) array): a call that needs none.
 
 The public functions `autosoft.cross_entropy` and `autosoft.linear_cross_entropy` (torch tensors,
 with autograd) are at the end of this module.
@@ -54,7 +55,8 @@ class CrossEntropyFamily(RowsFamily):
     inputs = ("logits", "target", "scale", *SCALARS)
     outputs = ("loss", "lse", "grad")
     options = (ProblemOption("int32_target", "targets are int32 (default: int64, as torch's)"),
-               ProblemOption("inplace", "kernels that may write the gradient over the logits (coherent loads)"))
+               ProblemOption("inplace", "kernels that may write the gradient over the logits (coherent loads)"),
+               ProblemOption("loss_only", "the loss and lse alone, no gradient written (grad is empty)"))
     input_kinds = ("normal", "smoothed", "neg_inf", "large")
     # grad shares the logits' address modulo 16, so one scalar head and tail per row serves both
     input_alignment = 16
@@ -62,7 +64,8 @@ class CrossEntropyFamily(RowsFamily):
     examples = (("1x1", "float32", {}), ("7x33", "bfloat16", {}), ("5x1025", "float16", {"int32_target": True}),
                 ("64x50257", "bfloat16", {}), ("33x32000", "float32", {"inplace": True}),
                 ("4096x32000", "bfloat16", {}), ("16x128256", "bfloat16", {}), ("8x151936", "float32", {}),
-                ("4x256000", "bfloat16", {"inplace": True}), ("3x256000", "float32", {"int32_target": True}))
+                ("4x256000", "bfloat16", {"inplace": True}), ("3x256000", "float32", {"int32_target": True}),
+                ("9x50257", "bfloat16", {"loss_only": True}))
 
     # --- problems ------------------------------------------------------------------------------
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
@@ -83,9 +86,11 @@ class CrossEntropyFamily(RowsFamily):
 
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
-        """loss and lse shaped like target (float32), grad like the logits."""
+        """loss and lse shaped like target (float32), grad like the logits (with loss_only, its
+        last dimension 0: empty)."""
         rows = tuple(shapes["target"])
-        return {"loss": (rows, "float32"), "lse": (rows, "float32"), "grad": (tuple(shapes["logits"]), dtype)}
+        grad = rows + (0,) if options.get("loss_only") else tuple(shapes["logits"])
+        return {"loss": (rows, "float32"), "lse": (rows, "float32"), "grad": (grad, dtype)}
 
     def problem_distance(self, a: Problem, b: Problem) -> float:
         """shape_distance, plus one step per option that differs: the options change only the
@@ -107,13 +112,16 @@ class CrossEntropyFamily(RowsFamily):
             name += "_i32"
         if problem.option("inplace"):
             name += "_inplace"
+        if problem.option("loss_only"):
+            name += "_loss_only"
         return name
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, "dtype": problem.dtype, "vec_bits_type": VEC_BITS_TYPE[values["vec_bytes"]],
                 "pairs": ITEMSIZE[problem.dtype] == 2 and values["vec"] >= 2,  # 16-bit vectors as packed pairs
                 "target_type": "int" if problem.option("int32_target") else "long long",
-                "inplace": bool(problem.option("inplace", False))}
+                "inplace": bool(problem.option("inplace", False)),
+                "write_grad": not problem.option("loss_only", False)}
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         m = problem.shape[0]
@@ -196,7 +204,8 @@ class CrossEntropyFamily(RowsFamily):
 
     def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
         m, _ = problem.shape
-        return {"loss": ((m,), "float32"), "lse": ((m,), "float32"), "grad": (problem.shape, problem.dtype)}
+        grad = (m, 0) if problem.option("loss_only") else problem.shape
+        return {"loss": ((m,), "float32"), "lse": ((m,), "float32"), "grad": (grad, problem.dtype)}
 
     # --- verification (on the GPU through CuPy; NumPy works too: xp is the array module) ---------
     def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
@@ -247,7 +256,6 @@ class CrossEntropyFamily(RowsFamily):
         loss_ref, lse_ref, grad_ref = reference(x, t, ignore, eps, z, scale, xp)
         lse = outputs["lse"][rows].astype(np.float64)
         loss = outputs["loss"][rows].astype(np.float64)
-        grad = to_float64(outputs["grad"][rows], problem.dtype, xp)
         kept = t != ignore
         wrong = _worst_row("lse", lse, lse_ref, FP32_COEF * (xp.abs(lse_ref) + 1), xp)
         if wrong:
@@ -257,9 +265,10 @@ class CrossEntropyFamily(RowsFamily):
         xt = xp.where(kept, finite[xp.arange(x.shape[0]), xp.where(kept, t, 0)], 0.0)
         terms = xp.abs(lse_ref) + xt + eps * finite.mean(axis=1) + z * lse_ref ** 2 + 1
         wrong = _worst_row("loss", loss, loss_ref, FP32_COEF * terms, xp)
-        if wrong:
+        if wrong or problem.option("loss_only"):
             return wrong
         rtol, abs_atol = GRAD_TOLERANCE[problem.dtype]
+        grad = to_float64(outputs["grad"][rows], problem.dtype, xp)
         with np.errstate(invalid="ignore"):
             p = xp.exp(x - lse_ref[:, None])
             spread = xp.where(p > 0, 1 + xp.abs(x - lse_ref[:, None]), 0.0)
@@ -385,9 +394,10 @@ _LAUNCHER = _Launcher()
 
 
 def _forward(logits2d: Any, target1d: Any, scale: Any, ignore_index: int, eps: float, z: float,
-             inplace: bool) -> tuple[Any, Any, Any]:
-    """loss (M,), lse (M,) and grad (M, N) (the logits themselves where inplace) of contiguous
-    2-D logits, launched on torch's current stream. scale: a one-element float32 tensor."""
+             inplace: bool, loss_only: bool = False) -> tuple[Any, Any, Any]:
+    """loss (M,), lse (M,) and grad (M, N) (the logits themselves where inplace; None with
+    loss_only) of contiguous 2-D logits, launched on torch's current stream. scale: a one-element
+    float32 tensor."""
     import torch
 
     m, n = logits2d.shape
@@ -395,14 +405,17 @@ def _forward(logits2d: Any, target1d: Any, scale: Any, ignore_index: int, eps: f
     options: dict[str, OptionValue] = {}
     if target1d.dtype == torch.int32:
         options["int32_target"] = True
-    if inplace:
+    if loss_only:
+        options["loss_only"] = True
+    elif inplace:
         options["inplace"] = True
     problem = CROSS_ENTROPY.problem_for({"logits": (m, n), "target": (m,)}, TORCH_DTYPES[logits2d.dtype], options)
     launch = _LAUNCHER.get(problem, device)
     loss = torch.empty(m, dtype=torch.float32, device=logits2d.device)
     lse = torch.empty(m, dtype=torch.float32, device=logits2d.device)
-    grad = logits2d if inplace else torch.empty_like(logits2d)
-    launch(logits2d.data_ptr(), target1d.data_ptr(), scale.data_ptr(), grad.data_ptr(), loss.data_ptr(),
+    grad = None if loss_only else logits2d if inplace else torch.empty_like(logits2d)
+    launch(logits2d.data_ptr(), target1d.data_ptr(), scale.data_ptr(), 0 if grad is None else grad.data_ptr(),
+           loss.data_ptr(),
            lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z),
            torch.cuda.current_stream(device).cuda_stream)
     return loss, lse, grad
@@ -530,7 +543,7 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
     else:
         x, t, copied = _prepared(torch, logits, target)
         scale = _scale_of(torch, t, ignore_index, reduction)
-        loss, lse, _ = _forward(x, t, scale, ignore_index, eps, z, copied)
+        loss, lse, _ = _forward(x, t, scale, ignore_index, eps, z, copied, loss_only=True)
         loss = _reduced(torch, loss, t, ignore_index, reduction, scale).reshape(
             target.shape if reduction == "none" else ())
         lse = lse.reshape(target.shape)
@@ -566,7 +579,7 @@ def _linear_ce(torch: Any, hidden: Any, weight: Any, bias: Any, target: Any, ign
         if bias is not None:
             logits += bias
         x, t, _ = _prepared(torch, logits, target[start:end])
-        loss, _, grad = _forward(x, t, scale, ignore_index, eps, z, True)
+        loss, _, grad = _forward(x, t, scale, ignore_index, eps, z, True, loss_only=not need_grad)
         losses[start:end] = loss
         if grad_hidden is not None:
             torch.matmul(grad, weight, out=grad_hidden[start:end])
