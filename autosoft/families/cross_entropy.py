@@ -145,13 +145,17 @@ class CrossEntropyFamily(RowsFamily):
         blocks (sm_90), else staged over one, else held over 16; else staged in the shared memory
         of one block, else streamed twice. Blocks of 512 threads
         come first: at 1024 threads (64 registers each) ptxas spills some held rows of 16-bit data
-        (nvcc -Xptxas -v: 4096x32000 bfloat16, 4 vectors a thread, 56 bytes)."""
+        (nvcc -Xptxas -v: 4096x32000 bfloat16, 4 vectors a thread, 56 bytes). loss_only: one
+        streamed pass (reread without its second pass), several loads in flight."""
         m, n = problem.shape
         vec = min(16 // ITEMSIZE[problem.dtype], pow2_floor(n))
         vectors = -(-n // vec)
         p: dict[str, ParamValue] = {"threads": 128, "vec": vec, "unroll": 1, "storage": "registers",
                                     "split": 1, "combine": "none", "streaming": False}
         candidates = [{**p, "threads": min(1024, max(128, pow2_ceil(-(-vectors // per))))} for per in (8, 4)]
+        if problem.option("loss_only"):  # nothing to hold for a gradient: one streamed pass
+            candidates = [{**p, "storage": "reread", "threads": t, "unroll": u} for t in (512, 256, 128)
+                          for u in (4, 2)] + candidates
         if int(target.arch) >= 90:
             # portable clusters (at most 8 blocks) first, held in registers, then staged in shared
             # memory; 16 blocks last: a cluster of 16 needs 16 SMs of one GPC free at once
