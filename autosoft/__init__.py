@@ -17,12 +17,18 @@ from .api import attention, load_cache, log_softmax, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
 from .families.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402 - torch functions of their own
 
-__all__ = ["softmax", "log_softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
+_API = ["softmax", "log_softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
 
 
-def __getattr__(name: str) -> _typing.Callable[..., _typing.Any]:
+def __getattr__(name: str) -> _typing.Any:
     """autosoft.<family>: the Python function of a family declared in its own module
-    (attention_colsum, plug-in families), built on first use."""
+    (attention_colsum, plug-in families), built on first use. autosoft.__all__: the functions
+    above and every family's function, built-in or plug-in (computed when asked: reading the
+    plug-ins' entry points costs a first call tens of milliseconds, which `import autosoft` does not pay)."""
+    if name == "__all__":
+        from .families import families
+
+        return _API + sorted(n for n, f in families().items() if f.has_python_call and n not in _API)
     if not name.startswith("_"):
         from .api import family_function
 

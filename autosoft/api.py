@@ -7,13 +7,20 @@ signature and docstring, so a new family adds its function in its own module.
 
 The functions are typed for type checkers (the package ships py.typed): torch in, torch out;
 CuPy in, CuPy out (softmax: any other DLPack producer in, CuPy out); with return_lse=True a pair.
-q, k and v of two kinds are a type error, as they are a TypeError at run time.
+The torch overloads come first and name torch.Tensor alone: CuPy ships no type hints, so to a
+user's mypy a CuPy array is Any, and a type variable constrained to torch.Tensor or cupy.ndarray
+(as these were) then gave Any for torch calls too. Calls on CuPy arrays are Any unless the user
+has CuPy stubs; with them, q, k and v of two kinds are a type error, as they are a TypeError at
+run time (tests/test_typing.py checks both).
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
 
 import numpy as np
@@ -29,7 +36,7 @@ if TYPE_CHECKING:
     import cupy
     import torch
 
-# The array kinds a call returns as it got them (a constrained type variable: both of torch, or both of CuPy)
+# A family function's array kind in its return annotation (help() shows it): the kind it was given
 Array = TypeVar("Array", "torch.Tensor", "cupy.ndarray")
 
 
@@ -40,7 +47,7 @@ class DLPackArray(Protocol):
 
 
 @overload
-def softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
+def softmax(x: torch.Tensor, dim: int = ..., out: torch.Tensor | None = ...) -> torch.Tensor: ...
 @overload
 def softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
 
@@ -72,7 +79,7 @@ LOG = {"log": True}  # the softmax family's problem options for the log-softmax
 
 
 @overload
-def log_softmax(x: Array, dim: int = ..., out: Array | None = ...) -> Array: ...
+def log_softmax(x: torch.Tensor, dim: int = ..., out: torch.Tensor | None = ...) -> torch.Tensor: ...
 @overload
 def log_softmax(x: DLPackArray, dim: int = ..., out: cupy.ndarray | None = ...) -> cupy.ndarray: ...
 
@@ -97,6 +104,17 @@ def _through_operator(x: Any) -> bool:
     return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
+def _through_family_operator(arrays: Any) -> bool:
+    """Whether a family function's call on these arrays must go through its operator: torch.compile
+    traces it, or autograd records one of them."""
+    torch = sys.modules.get("torch")
+    if torch is None or not arrays or not isinstance(arrays[0], torch.Tensor):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in arrays)
+
+
 def _compiling(x: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
@@ -118,19 +136,37 @@ Window = tuple[int | None, int | None]
 
 
 @overload
-def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ...,
-              return_lse: Literal[False] = ..., window: Window | None = ..., softcap: float | None = ...) -> Array: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = ..., scale: float | None = ...,
+              return_lse: Literal[False] = ..., window: Window | None = ..., softcap: float | None = ...
+              ) -> torch.Tensor: ...
 @overload
-def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ..., *,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = ..., scale: float | None = ..., *,
               return_lse: Literal[True], window: Window | None = ..., softcap: float | None = ...
-              ) -> tuple[Array, Array]: ...
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention(q: Array, k: Array, v: Array, causal: bool, scale: float | None, return_lse: Literal[True],
-              window: Window | None = ..., softcap: float | None = ...) -> tuple[Array, Array]: ...
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+              return_lse: Literal[True], window: Window | None = ..., softcap: float | None = ...
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def attention(q: Array, k: Array, v: Array, causal: bool = ..., scale: float | None = ...,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = ..., scale: float | None = ...,
               return_lse: bool = ..., window: Window | None = ..., softcap: float | None = ...
-              ) -> Array | tuple[Array, Array]: ...
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, causal: bool = ..., scale: float | None = ...,
+              return_lse: Literal[False] = ..., window: Window | None = ..., softcap: float | None = ...
+              ) -> cupy.ndarray: ...
+@overload
+def attention(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, causal: bool = ..., scale: float | None = ..., *,
+              return_lse: Literal[True], window: Window | None = ..., softcap: float | None = ...
+              ) -> tuple[cupy.ndarray, cupy.ndarray]: ...
+@overload
+def attention(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, causal: bool, scale: float | None,
+              return_lse: Literal[True], window: Window | None = ..., softcap: float | None = ...
+              ) -> tuple[cupy.ndarray, cupy.ndarray]: ...
+@overload
+def attention(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, causal: bool = ..., scale: float | None = ...,
+              return_lse: bool = ..., window: Window | None = ..., softcap: float | None = ...
+              ) -> cupy.ndarray | tuple[cupy.ndarray, cupy.ndarray]: ...
 
 
 def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None = None,
@@ -175,30 +211,56 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     return (o, lse) if return_lse else o
 
 
-def load_cache(path: str) -> int:
-    """Use the tuned kernels of a cache file from another machine; returns the number of entries."""
+def load_cache(path: str | os.PathLike[str]) -> int:
+    """Use the tuned kernels of a cache file from another machine; returns the number of entries.
+    UserError for a folder, a missing file or one that is no cache (the file is never changed);
+    TypeError for anything but a path."""
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and os.fspath(path) \
+            and Path(path).expanduser().is_dir():
+        # said here, in the caller's terms: the cache's own message speaks to the command line (--cache)
+        raise UserError(f"autosoft.load_cache: {os.fspath(path)!r} is a folder; give the path of a cache file "
+                        f"(the kernels.sqlite that `autosoft tune` writes)")
     return DISPATCHER.load_cache(path)
+
+
+GENERIC_RETURNS = "Array | tuple[Array, ...]"
+"""A family function's return annotation where its family declares none (python_returns): the
+outputs the call names, one alone, several as a tuple, each of the kind of array given."""
 
 
 @functools.lru_cache(maxsize=None)
 def family_function(name: str) -> Callable[..., Any]:
-    """autosoft.<name>: the Python function of the family `name`, built from its python_call.
-    LookupError where no family of that name declares one."""
+    """autosoft.<name>: the Python function of the family `name`, built from its python_call (its
+    parameters and docstring; its return annotation the family's `python_returns`, else
+    GENERIC_RETURNS). Where the family declares an operator of the same name (autosoft.torch_ops),
+    a call goes through it while torch.compile traces (the graph holds one operator) and while
+    autograd records a tensor that requires gradients (the operator's declared backward, or its
+    refusal). LookupError where no family of that name declares a Python function."""
     try:
         family = get_family(name)
     except UserError:
         raise LookupError(f"no family {name!r}") from None
     if not family.has_python_call:
         raise LookupError(f"the {name} family declares no Python function")
-    python_call, outputs = family.python_call, family.outputs
+    python_call, inputs, outputs = family.python_call, family.inputs, family.outputs
+    traced = any(op.name == name and op.family == name for op in getattr(family, "torch_operators", ()))
 
     @functools.wraps(python_call)
     def function(*args: Any, **kwargs: Any) -> Any:
         call = python_call(*args, **kwargs)
-        results = dict(zip(outputs, call_family(name, call.arrays, options=call.options, scalars=call.scalars)))
+        if traced and _through_family_operator(call.arrays):
+            from . import torch_ops
+
+            produced = torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)
+        else:
+            produced = call_family(name, call.arrays, options=call.options, scalars=call.scalars)
+        results = dict(zip(outputs, produced))
         picked = tuple(results[n] for n in call.returns)
         return picked[0] if len(picked) == 1 else picked
 
+    returns = getattr(family, "python_returns", None) or GENERIC_RETURNS
     function.__name__ = function.__qualname__ = name
     function.__module__ = "autosoft"
+    function.__annotations__ = {**python_call.__annotations__, "return": returns}
+    function.__signature__ = inspect.signature(python_call).replace(return_annotation=returns)  # type: ignore[attr-defined]
     return function

@@ -138,6 +138,10 @@ def as_cupy(family: Family, arrays: Sequence[Any], who: str | None = None) -> li
             shown = type(a).__name__ if type(a).__module__ == "builtins" else type_name
             raise TypeError(f"{who}: {name} is a {shown}, not a CuPy array, a CUDA torch tensor or a "
                             "DLPack CUDA tensor")
+        where = _dlpack_device_type(a)
+        if where is not None and where not in _CUDA_DLPACK:
+            place = "in host memory" if where in _HOST_DLPACK else f"on a DLPack device of type {where}, not a CUDA GPU"
+            raise TypeError(f"{who}: {name} is a {type_name} {place}; move it to the GPU first")
         from .runtime import cupy_module
 
         try:
@@ -147,6 +151,33 @@ def as_cupy(family: Family, arrays: Sequence[Any], who: str | None = None) -> li
                 raise
             raise TypeError(f"{who}: cannot view {type_name} on the GPU through DLPack: {exc}") from None
     return out
+
+
+_CUDA_DLPACK = (2, 13)  # DLPack's kDLCUDA and kDLCUDAManaged: what CuPy views
+_HOST_DLPACK = (1, 3)  # kDLCPU and kDLCUDAHost (pinned host memory)
+
+
+def _dlpack_device_type(a: Any) -> int | None:
+    """The DLPack device type a producer says its memory is on (__dlpack_device__), None where it
+    says nothing: asked before any GPU is looked for, so a host producer is a TypeError even on a
+    machine without one."""
+    device = getattr(a, "__dlpack_device__", None)
+    if device is None:
+        return None
+    try:
+        return int(device()[0])
+    except Exception:  # noqa: BLE001 - a producer that cannot say: CuPy's from_dlpack decides
+        return None
+
+
+def not_on_gpu(who: str, name: str, tensor: Any) -> TypeError:
+    """The error for a torch tensor that is not on a CUDA device, naming where it is."""
+    kind = tensor.device.type
+    if kind == "meta":  # no data to move: made on the meta device, it must be made again on the GPU
+        return TypeError(f"{who}: {name} is a meta tensor (a shape without data); autosoft computes on CUDA "
+                         f"tensors (only torch.ops.autosoft's operators take meta tensors, for shape inference)")
+    return TypeError(f"{who}: {name} is a {'CPU' if kind == 'cpu' else kind} tensor; move it to the GPU first "
+                     f"({name}.cuda())")
 
 
 def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: Mapping[str, OptionValue],
@@ -342,7 +373,7 @@ class _TorchArrays(_Framework):
                 raise TypeError(f"{who}: {name} must be a torch tensor like the first argument, "
                                 f"not {type(a).__name__}")
             if not a.is_cuda:
-                raise TypeError(f"{who}: {name} is a CPU tensor; move it to the GPU first ({name}.cuda())")
+                raise not_on_gpu(who, name, a)
         if len({a.device for a in arrays}) != 1:
             raise ValueError(f"{who}: {', '.join(names)} must be on one device")
 

@@ -26,8 +26,8 @@ def refuse_gradients(who: str, *arrays: Any) -> None:
 def no_backward_error(who: str, instead: str = "scaled_dot_product_attention") -> RuntimeError:
     """The error of a call that autograd would record on a function without a backward (also
     what the torch custom operators of autosoft.torch_ops raise); `instead` names the torch
-    function to use where gradients are needed."""
+    function to use where gradients are needed ("": none is named)."""
+    use = f" (or use torch's {instead} where gradients are needed)" if instead else ""
     return RuntimeError(
         f"autosoft.{who} has no backward yet, so its outputs cannot carry gradients to the inputs that "
-        f"require them; call it under torch.no_grad() or on detached tensors (or use torch's "
-        f"{instead} where gradients are needed)")
+        f"require them; call it under torch.no_grad() or on detached tensors{use}")

@@ -51,7 +51,7 @@ class NativeBuildError(UserError):
 
 _lock = threading.Lock()
 _module: Any = None  # the loaded extension, once enable() found one
-_kernels: dict[int, tuple[Callable[..., Any], tuple]] = {}  # op -> (Python Autograd kernel, plan options)
+_kernels: dict[int, tuple[Callable[..., Any], str, tuple]] = {}  # op -> (Python Autograd kernel, family, plan options)
 _kept: dict[tuple, Any] = {}  # what each record replays: plan key -> plan (keeps its module loaded)
 
 
@@ -128,13 +128,13 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def enable(kernels: Mapping[str, tuple[Callable[..., Any], tuple]] | None = None) -> bool:
+def enable(kernels: Mapping[str, tuple[Callable[..., Any], str, tuple]] | None = None) -> bool:
     """Register the compiled kernels (AutogradCUDA of torch.ops.autosoft.softmax and log_softmax)
     where the extension is built, AUTOSOFT_NATIVE is not 0 and a CUDA driver is present; returns
     whether they are registered. `kernels`: per operator of OPS, its Python Autograd kernel
-    (called for every call the compiled one does not take) and the softmax family's options as
-    arrays.call_family keys its plans; autosoft.torch_ops.register() passes them, and a later
-    call (after `build`) may leave them out."""
+    (called for every call the compiled one does not take), the family it calls and that family's
+    options as arrays.call_family keys its plans (the operator's declared plan_options);
+    autosoft.torch_ops.register() passes them, and a later call (after `build`) may leave them out."""
     global _module
     with _lock:
         if kernels is not None:
@@ -206,12 +206,12 @@ def _cu_launch_kernel() -> int | None:
 def _miss(op: int, keyset: Any, x: Any, dim: int) -> Any:
     """A call the compiled kernel did not take: the Python Autograd kernel runs it; then, when the
     call was a plain one along the last dim, its plan is recorded if it is a plain launch."""
-    kernel, options = _kernels[op]
+    kernel, family, options = _kernels[op]
     y = kernel(keyset, x, dim)
     # the plan under call_family's key was made for this dtype, shape and device whatever the call
     # (a subclass such as a fake tensor while tracing aside): the compiled kernel takes it from now on
     if dim == -1 and type(x) is sys.modules["torch"].Tensor and x.is_cuda:
-        key = ("softmax", options, (), x.dtype, x.shape, x.get_device())
+        key = (family, options, (), x.dtype, x.shape, x.get_device())
         if key not in _kept:
             plan = DISPATCHER.fast.get(key)
             native = getattr(plan, "native", None)

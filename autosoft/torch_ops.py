@@ -1,36 +1,33 @@
-"""autosoft's functions as torch custom operators, for autograd, torch.compile and CUDA graphs.
+"""The families' torch custom operators, for autograd, torch.compile and CUDA graphs.
 
     import autosoft.torch_ops                     # registers the operators (imports torch)
-    y = torch.ops.autosoft.softmax(x, -1)         # and log_softmax(x, dim)
-    dx = torch.ops.autosoft.softmax_backward(y, dy, -1, False)   # log=True: the log-softmax's
-    o, lse = torch.ops.autosoft.attention(q, k, v, causal, scale, window_left, window_right, softcap)
-                                                  # the last three optional (None: no limit, no cap)
-    o, colsum, lse = torch.ops.autosoft.attention_colsum(q, k, v, split, causal, scale, deterministic)
+    outputs = torch.ops.autosoft.<name>(...)      # every operator a family declares
 
-Called as plain Python, autosoft is something torch.compile cannot see into and autograd cannot
-differentiate. The operators below are defined with a `torch.library.Library` (schemas tagged
-pt2_compliant_tag; none mutates its inputs), each with
+Each family declares its operators (autosoft.operators.TorchOperator, the class attribute
+`torch_operators`): a schema, how the operator's arguments become the family's call, and its
+autograd formula. This module registers whatever is declared and names no family. Called as plain
+Python, autosoft is something torch.compile cannot see into and autograd cannot differentiate. The
+operators are defined with a `torch.library.Library` (schemas tagged pt2_compliant_tag; none
+mutates its inputs), each with
 
-- its real implementation for every backend (CompositeExplicitAutograd), the public function's
-  own path (`arrays.call_family` and `arrays.call_along` with the options and scalars the public
-  functions pass: same kernels, same plans, same errors, launched on torch's current stream,
-  outputs allocated by torch: what a CUDA graph capture needs); softmax and log_softmax along
-  the last dim take call_family's cached plan under call_family's own key, nothing else checked
-  (the schema already made x a tensor and dim an int; a first call goes through call_family);
-- a fake implementation (`torch.library.register_fake`, also the Meta kernel) that checks what
-  can be checked without data (device, dtypes, shapes, dim, 0 < split < N, scale > 0, window
-  sides >= 0, softcap > 0) with the errors of the real path, and returns empty tensors laid out
-  as the real outputs are (contiguous; along a dim other than the last, the moved layout's view;
-  attention's o and lse shaped by q, whatever k's and v's head count and length), which
-  torch.compile traces with;
-- an Autograd kernel of its own (`_autograd_kernel`, for every autograd key): softmax and
-  log_softmax, with grad mode on and an input that requires gradients, run an autograd.Function
-  that saves the output and differentiates through the softmax_backward operator (the tuned
-  softmax_backward family: dx = y (dy - sum(dy y)), or for the log-softmax dx = dy - e^y sum(dy));
-  AOTAutograd traces it, so a compiled model's backward graph holds softmax_backward. The others
-  refuse such calls before anything runs (attention has no backward yet, softmax_backward no
-  second derivative): RuntimeError (autograd.no_backward_error) in eager mode, and at compile
-  time under torch.compile, where Dynamo runs the operator on fake tensors that require gradients.
+- its real implementation for every backend (CompositeExplicitAutograd): the declared call, run
+  by `arrays.call_family` as the family's public function runs it (same kernels, same plans, same
+  errors, launched on torch's current stream, outputs allocated by torch: what a CUDA graph
+  capture needs); a call along another dim than the last moves it last and the outputs back; an
+  operator with plan_options takes call_family's cached plan under call_family's own key along the
+  last dim, nothing else checked (the schema already made x a tensor and dim an int);
+- a fake implementation (`torch.library.register_fake`, also the Meta kernel) that runs the
+  declared call (its errors need no data), checks what the array layer checks without data
+  (device, dtypes, the family's shapes and problem), with the errors of the real path, and returns
+  empty tensors laid out as the real outputs are (contiguous; along another dim than the last, the
+  moved layout's view), which torch.compile traces with;
+- an Autograd kernel of its own (`_autograd_kernel`, for every autograd key): with grad mode on
+  and an input that requires gradients, an operator that declares a backward runs an
+  autograd.Function whose backward is the declared formula (AOTAutograd traces it, so a compiled
+  model's backward graph holds the operators the formula calls); one that declares none refuses
+  such calls before anything runs: RuntimeError (autograd.no_backward_error) in eager mode, and at
+  compile time under torch.compile, where Dynamo runs the operator on fake tensors that require
+  gradients.
 
 Why not `torch.library.custom_op` (as before issue 19): on a 2-core CPU host with torch 2.13
 (benchmarks/op_dispatch.py: a trivial implementation on a CPU tensor, dispatch cost over calling
@@ -46,102 +43,123 @@ meta tensors while tracing, modes) is redispatched below autograd, exactly as cu
 always redispatches. Under torch.inference_mode() the dispatcher skips the Autograd kernel and
 calls the real one.
 
-The public functions go through these operators when they must: `autosoft.softmax` and
-`autosoft.log_softmax` on a tensor that requires gradients while autograd records, and while
-torch.compile traces (api._through_operator). Otherwise they take the plan path directly, which
-has no dispatcher in between. `autosoft` itself never imports torch, so a CuPy user never loads
-it; importing this module registers the operators (`register()`, once per process).
+The public functions go through these operators when they must (autograd records a tensor that
+requires gradients, or torch.compile traces: api._through_operator). Otherwise they take the plan
+path directly, which has no dispatcher in between. `autosoft` itself never imports torch, so a
+CuPy user never loads it; importing this module registers the operators (`register()`), and
+`autosoft.native` adds compiled Autograd kernels for the operators it names where it was built.
 """
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import native
-from .arrays import call_along, call_family
+from .arrays import call_family, not_on_gpu
 from .autograd import no_backward_error
 from .dispatch import DISPATCHER
 from .dtypes import TORCH_NAMES
-from .families import get_family
-from .families.attention import call_options
+from .families import families, get_family
 from .families.base import OptionValue
+from .operators import OperatorCall, TorchOperator, declared_operators
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["register", "softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum", "OPS"]
+__all__ = ["register", "declared", "call_operator", "OPS"]
 
-OPS = ("softmax", "log_softmax", "softmax_backward", "attention", "attention_colsum")
-"""The operators' names in torch.ops.autosoft: one per public function, and the softmax backward."""
-
-# the operators' default overloads (torch.ops.autosoft.<name>.default), set by register()
-softmax: Any = None
-log_softmax: Any = None
-softmax_backward: Any = None
-attention: Any = None
-attention_colsum: Any = None
+OPS: tuple[str, ...] = ()
+"""The registered operators' names in torch.ops.autosoft, as the families declare them."""
 
 _lock = threading.Lock()
-_registered = False
-_lib: Any = None  # the torch.library.Library that holds the registrations (they last as long as it does)
-
-_SCHEMAS = {
-    "softmax": "(Tensor x, int dim) -> Tensor",
-    "log_softmax": "(Tensor x, int dim) -> Tensor",
-    "softmax_backward": "(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
-    "attention": "(Tensor q, Tensor k, Tensor v, bool causal, float scale, int? window_left=None, "
-                 "int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
-    "attention_colsum": "(Tensor q, Tensor k, Tensor v, int split, bool causal, float scale, bool deterministic) "
-                        "-> (Tensor o, Tensor colsum, Tensor lse)",
-}
+_declared: dict[str, TorchOperator] = {}  # registered operators by name
+_overloads: dict[str, Any] = {}  # their default overloads (torch.ops.autosoft.<name>.default)
+_arguments: dict[str, tuple[tuple[str, bool, Any], ...]] = {}  # their schemas' (name, a tensor, default) arguments
+_libs: list[Any] = []  # the torch.library.Library objects that hold the registrations (they last as long as these)
 
 
 def register() -> None:
-    """Register the operators torch.ops.autosoft.{softmax, log_softmax, softmax_backward, attention,
-    attention_colsum}, once per process (later calls, from any thread, do nothing). Imports torch;
-    ImportError where torch is missing or older than torch.library.register_fake (torch 2.4)."""
-    global _registered, _lib, softmax, log_softmax, softmax_backward, attention, attention_colsum
-    if _registered:
-        return
+    """Register every operator the families declare (autosoft.operators), from any thread: those
+    registered before stay as they are, so a family registered since (a plug-in) gets its operators
+    on the next call. Imports torch; ImportError where torch is missing or older than
+    torch.library.register_fake (torch 2.4)."""
+    global OPS
     with _lock:
-        if _registered:
-            return
         import torch
 
         if not hasattr(torch.library, "register_fake"):
             raise ImportError(f"autosoft.torch_ops needs torch.library.register_fake (torch >= 2.4); this is torch "
                               f"{torch.__version__}")
-        lib = torch.library.Library("autosoft", "DEF")
-        for name in OPS:
-            lib.define(name + _SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
+        new = [op for op in declared_operators(families()) if op.name not in _declared]
+        if not new:
+            return
+        lib = torch.library.Library("autosoft", "FRAGMENT")
+        _libs.append(lib)
         kernels = {}
-        for name in OPS:
-            real, fake = _IMPLS[name]
+        for op in new:  # one at a time, each whole: a bad declaration leaves the others registered
+            schema = torch._C.parse_schema(f"autosoft::{op.name}{op.schema}")
+            outputs = get_family(op.family).outputs
+            if len(schema.returns) != len(outputs):
+                raise ValueError(f"torch operator {op.name}: its schema returns {len(schema.returns)} tensors, the "
+                                 f"{op.family} family's outputs are {', '.join(outputs)}")
+            lib.define(op.name + op.schema, tags=(torch.Tag.pt2_compliant_tag,))
+            overload = getattr(torch.ops.autosoft, op.name).default
+            real = _real_implementation(op, len(outputs) == 1)
             # every backend: a CPU tensor reaches the real path, which refuses it with the public function's error
-            lib.impl(name, real, "CompositeExplicitAutograd")
-            torch.library.register_fake(f"autosoft::{name}", fake, lib=lib)  # also the Meta kernel
-            op = getattr(torch.ops.autosoft, name).default
-            kernel = kernels[name] = _autograd_kernel(torch, name, op, real, _PLAN_OPTIONS.get(name))
-            lib.impl(name, kernel, "Autograd", with_keyset=True)
-        _lib = lib
-        # where `autosoft native` built them: compiled AutogradCUDA kernels for softmax and
-        # log_softmax, which fall back on the Python kernels above for what they do not take
-        native.enable({name: (kernels[name], _PLAN_OPTIONS[name]) for name in native.OPS})
-        ops = torch.ops.autosoft
-        softmax, log_softmax = ops.softmax.default, ops.log_softmax.default
-        softmax_backward = ops.softmax_backward.default
-        attention, attention_colsum = ops.attention.default, ops.attention_colsum.default
-        _registered = True
+            lib.impl(op.name, real, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"autosoft::{op.name}", _fake_implementation(op, len(outputs) == 1), lib=lib)
+            kernels[op.name] = _autograd_kernel(torch, op, overload, real)
+            lib.impl(op.name, kernels[op.name], "Autograd", with_keyset=True)
+            _overloads[op.name] = overload
+            _arguments[op.name] = tuple((a.name, isinstance(a.type, torch.TensorType), a.default_value)
+                                        for a in schema.arguments)
+            _declared[op.name] = op
+            OPS = tuple(_declared)
+        # where `autosoft native` built them: compiled AutogradCUDA kernels for the operators it names,
+        # which fall back on the Python kernels above for what they do not take
+        compiled = {op.name: (kernels[op.name], op.family, tuple(op.plan_options.items()))
+                    for op in new if op.name in native.OPS and op.plan_options is not None}
+        if compiled:
+            native.enable(compiled)
+
+
+def declared(name: str) -> TorchOperator:
+    """The declaration of the registered operator `name`; KeyError where none is."""
+    return _declared[name]
+
+
+def call_operator(name: str, inputs: Sequence[str], arrays: Sequence[Any], options: Any,
+                  scalars: Any) -> tuple[Any, ...]:
+    """The outputs (a tuple, also of one) of operator `name` for a family function's call
+    (base.Call): each schema argument by its name, a tensor from the arrays (named by the family's
+    `inputs`), a number from the problem options or the run-time scalars, else the schema's default.
+    What a family's Python function calls while torch.compile traces (the graph holds the operator)
+    and while autograd records (the operator's backward)."""
+    given = {**dict(zip(inputs, arrays)), **options, **scalars}
+    values = [given[n] if tensor else _number(given.get(n, default)) for n, tensor, default in _arguments[name]]
+    outputs = _overloads[name](*values)
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def _number(value: Any) -> Any:
+    """A run-time scalar (a NumPy number) as the schema's Python number; others as they are."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def __getattr__(name: str) -> Any:
+    """torch_ops.<name>: the registered operator's default overload (torch.ops.autosoft.<name>.default)."""
+    try:
+        return _overloads[name]
+    except KeyError:
+        raise AttributeError(f"module 'autosoft.torch_ops' has no attribute {name!r}") from None
 
 
 # --- the autograd kernels: the one Python hop of a call ---------------------------------------
 #
 # The dispatcher runs an operator's Autograd kernel first (unless inference mode or a
 # no-autograd guard excludes it), for every device. Each kernel here:
-# - with grad mode on and an input that requires gradients: softmax and log_softmax run their
-#   autograd.Function (forward below autograd, backward the softmax_backward operator); the others
+# - with grad mode on and an input that requires gradients: an operator with a declared backward
+#   runs its autograd.Function (forward below autograd, backward the declared formula); the others
 #   refuse before anything runs (no_backward_error), in eager mode and, under torch.compile, when
 #   Dynamo runs the operator on fake tensors, that is at compile time;
 # - otherwise, where the dispatcher's next kernel would be the real implementation (the call's key
@@ -168,12 +186,11 @@ def _goes_to_real(torch: Any) -> Any:
     return direct
 
 
-def _autograd_kernel(torch: Any, name: str, op: Any, real: Any, plan_options: tuple | None = None) -> Any:
-    """The Autograd kernel of operator `name` (the OpOverload `op`, whose real implementation is
-    `real`), as lib.impl(..., "Autograd", with_keyset=True) takes it: kernel(keyset, *args).
-    plan_options (softmax and log_softmax): the softmax family's options as call_family keys its
-    plans; a call along the last dim then takes the plan straight from call_family's cache, as
-    _softmax does, one Python frame fewer."""
+def _autograd_kernel(torch: Any, op: TorchOperator, overload: Any, real: Callable[..., Any]) -> Any:
+    """The Autograd kernel of the declared operator `op` (the OpOverload `overload`, whose real
+    implementation is `real`), as lib.impl(..., "Autograd", with_keyset=True) takes it:
+    kernel(keyset, *args). With op.plan_options, a call along the last dim takes the plan straight
+    from call_family's cache, as the real implementation does, one Python frame fewer."""
     direct = _goes_to_real(torch)
     below, after_autograd = torch._C._AutoDispatchBelowAutograd, torch._C._after_autograd_keyset
     grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
@@ -181,220 +198,190 @@ def _autograd_kernel(torch: Any, name: str, op: Any, real: Any, plan_options: tu
 
     def redispatch(keyset: Any, *args: Any) -> Any:
         with below():
-            return op.redispatch(keyset & after_autograd, *args)
+            return overload.redispatch(keyset & after_autograd, *args)
 
-    if name in ("softmax", "log_softmax"):
-        log = name == "log_softmax"
-
-        class Function(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, x: Any, dim: int, keyset: Any) -> Any:  # type: ignore[override]
-                to_real = known(keyset.raw_repr())
-                if to_real is None:
-                    to_real = direct(keyset)
-                y = real(x, dim) if to_real else redispatch(keyset, x, dim)
-                ctx.save_for_backward(y)  # dx needs only y (and dy)
-                ctx.dim = dim
-                return y
-
-            @staticmethod
-            def backward(ctx: Any, dy: Any) -> Any:  # type: ignore[override]
-                (y,) = ctx.saved_tensors
-                # the module's attribute, looked up here: the operator, or a test's stand-in for it
-                return softmax_backward(y, dy, ctx.dim, log), None, None
-
-        Function.__name__ = Function.__qualname__ = f"{name}_autograd"
-        apply = Function.apply
-
-        def softmax_kernel(keyset: Any, x: Any, dim: int) -> Any:
-            if grad_enabled() and x.requires_grad:
-                return apply(x, dim, keyset)
+    if op.backward is None:
+        def refusing_kernel(keyset: Any, *args: Any) -> Any:
+            # No backward: without this refusal, outputs of inputs that require gradients would carry
+            # none, and backward() would fail far from the call (or a model silently stop learning).
+            if grad_enabled() and any_requires_grad(*args):
+                raise no_backward_error(op.name, op.instead)
             to_real = known(keyset.raw_repr())
             if to_real or (to_real is None and direct(keyset)):
-                return real(x, dim)
-            return redispatch(keyset, x, dim)
+                return real(*args)
+            return redispatch(keyset, *args)
 
-        if plan_options is None:
-            return softmax_kernel
-        plans = DISPATCHER.fast  # load_cache and forget clear it; it is never replaced
+        return refusing_kernel
 
-        def softmax_plan_kernel(keyset: Any, x: Any, dim: int) -> Any:
-            # softmax_kernel with _softmax's hot path written in: the operator's whole Python, per call
-            if grad_enabled() and x.requires_grad:
-                return apply(x, dim, keyset)
+    apply = _autograd_function(torch, op, overload, real, direct, redispatch).apply
+    if op.plan_options is None:
+        def differentiable_kernel(keyset: Any, *args: Any) -> Any:
+            if grad_enabled() and any_requires_grad(*args):
+                return apply(keyset, *args)
             to_real = known(keyset.raw_repr())
             if to_real or (to_real is None and direct(keyset)):
-                if dim == -1:
-                    plan = plans.get(("softmax", plan_options, (), x.dtype, x.shape, x.get_device()))
-                    if plan is not None:
-                        return plan((x,), ())[0]
-                return real(x, dim)
-            return redispatch(keyset, x, dim)
+                return real(*args)
+            return redispatch(keyset, *args)
 
-        return softmax_plan_kernel
+        return differentiable_kernel
 
-    def refusing_kernel(keyset: Any, *args: Any) -> Any:
-        # No backward: without this refusal, outputs of inputs that require gradients would carry
-        # none, and backward() would fail far from the call (or a model silently stop learning).
-        if grad_enabled() and any_requires_grad(*args):
-            raise _no_backward(name)
+    plans = DISPATCHER.fast  # load_cache and forget clear it; it is never replaced
+    family, options = op.family, tuple(op.plan_options.items())  # as call_family puts them in its plan key
+
+    def plan_kernel(keyset: Any, x: Any, dim: int) -> Any:
+        # differentiable_kernel with the real implementation's hot path written in: the operator's
+        # whole Python, per call
+        if grad_enabled() and x.requires_grad:
+            return apply(keyset, x, dim)
         to_real = known(keyset.raw_repr())
         if to_real or (to_real is None and direct(keyset)):
-            return real(*args)
-        return redispatch(keyset, *args)
+            if dim == -1:
+                plan = plans.get((family, options, (), x.dtype, x.shape, x.get_device()))
+                if plan is not None:
+                    return plan((x,), ())[0]
+            return real(x, dim)
+        return redispatch(keyset, x, dim)
 
-    return refusing_kernel
-
-
-def _no_backward(name: str) -> RuntimeError:
-    """autograd.refuse_gradients' error; for the softmax backward, that it has no backward itself."""
-    if name == "softmax_backward":
-        return RuntimeError("autosoft.softmax_backward has no backward (the softmax's second derivative); "
-                            "use torch.softmax where it is needed")
-    return no_backward_error(name)
+    return plan_kernel
 
 
-# --- the real implementations: the public functions' calls ------------------------------------
+def _autograd_function(torch: Any, op: TorchOperator, overload: Any, real: Callable[..., Any],
+                       direct: Callable[[Any], bool], redispatch: Callable[..., Any]) -> Any:
+    """The autograd.Function of an operator with a declared backward: forward runs the operator
+    below autograd and saves what the formula reads (op.backward.saves: schema arguments and the
+    family's outputs by name); backward calls the formula with torch.ops.autosoft."""
+    assert op.backward is not None
+    arguments = [(a.name, isinstance(a.type, torch.TensorType)) for a in overload._schema.arguments]
+    outputs = get_family(op.family).outputs
+    sources: list[tuple[str, bool, int, bool]] = []  # (name, from the outputs, index, a tensor)
+    for name in op.backward.saves:
+        if name in outputs:
+            sources.append((name, True, outputs.index(name), True))
+        else:
+            index = [n for n, _ in arguments].index(name)  # ValueError: a name the schema lacks
+            sources.append((name, False, index, arguments[index][1]))
+    tensor_names = [name for name, _, _, tensor in sources if tensor]
+    single = len(outputs) == 1
+    formula, ops, known = op.backward.formula, torch.ops.autosoft, _DIRECT.get
 
-def _check_scale(name: str, scale: float) -> None:
-    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
-        raise ValueError(f"autosoft.{name}: scale must be positive, got {scale}")
+    def forward(ctx: Any, keyset: Any, *args: Any) -> Any:
+        to_real = known(keyset.raw_repr())
+        if to_real is None:
+            to_real = direct(keyset)
+        results = real(*args) if to_real else redispatch(keyset, *args)
+        produced = (results,) if single else results
+        tensors, kept = [], {}
+        for name, from_outputs, index, tensor in sources:
+            value = (produced if from_outputs else args)[index]
+            if tensor:
+                tensors.append(value)
+            else:
+                kept[name] = value
+        ctx.save_for_backward(*tensors)
+        ctx.kept = kept
+        return results
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        saved = dict(zip(tensor_names, ctx.saved_tensors), **ctx.kept)
+        return (None, *formula(ops, saved, grads))  # None: the key set's
+
+    # made with its name (grad_fn shows it: <op>_autogradBackward)
+    Function = type(f"{op.name}_autograd", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return Function
 
 
-def _softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    if dim == -1:
-        # The hot path. The schema made x a tensor and dim an int; call_family's cached plan under
-        # call_family's own key (the same plan autosoft.softmax takes); a first call prepares it there.
-        plan = DISPATCHER.fast.get(("softmax", (), (), x.dtype, x.shape, x.get_device()))
-        if plan is not None:
-            return plan((x,), ())[0]
-        return call_family("softmax", (x,))[0]
-    return call_along("softmax", x, dim, None, None, "softmax")
+# --- the real implementations: the family's call through the array layer ----------------------
+
+def _real_implementation(op: TorchOperator, single: bool) -> Callable[..., Any]:
+    """The operator's implementation for every backend: its declared call, run by call_family
+    as the family's public function runs it (naming autosoft.<operator> in errors where it is not
+    the family's own name, as call_family names the family otherwise)."""
+    family, declared_call = op.family, op.call
+    who = None if op.name == op.family else f"autosoft.{op.name}"
+
+    def real(*args: Any) -> Any:
+        outs = _run(family, who or f"autosoft.{family}", who, declared_call(*args))
+        return outs[0] if single else outs
+
+    if op.plan_options is None:
+        return real
+    plans = DISPATCHER.fast
+    options = tuple(op.plan_options.items())
+
+    def planned(x: Any, dim: int) -> Any:
+        if dim == -1:
+            # The hot path. The schema made x a tensor and dim an int; call_family's cached plan under
+            # call_family's own key (the same plan the public function takes); a first call prepares it there.
+            plan = plans.get((family, options, (), x.dtype, x.shape, x.get_device()))
+            if plan is not None:
+                return plan((x,), ())[0]
+        return real(x, dim)
+
+    return planned
 
 
-def _log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    if dim == -1:  # as _softmax
-        plan = DISPATCHER.fast.get(("softmax", _LOG_KEY, (), x.dtype, x.shape, x.get_device()))
-        if plan is not None:
-            return plan((x,), ())[0]
-        return call_family("softmax", (x,), options=LOG, who="autosoft.log_softmax")[0]
-    return call_along("softmax", x, dim, None, LOG, "log_softmax")
-
-
-def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    """dx of the softmax (log: the log-softmax) along dim from its output y and dy: the family works
-    on the last dimension, so another dim is moved last (a copy of y and dy) and back (a view)."""
-    last = _last_dim("softmax_backward", y, dim)
-    if y.shape != dy.shape:
-        raise ValueError(f"autosoft.softmax_backward: y {tuple(y.shape)} and dy {tuple(dy.shape)} differ in shape")
-    if last != y.dim() - 1:
-        y, dy = y.movedim(last, -1), dy.movedim(last, -1)
-    options = {"log": True} if log else None
-    dx = call_family("softmax_backward", (y, dy), options=options)[0]
-    return dx if last == dx.dim() - 1 else dx.movedim(-1, last)
+def _run(family: str, name: str, who: str | None, call: OperatorCall) -> tuple[Any, ...]:
+    """call_family(family, ...) on a call's arrays; along another dim than the last, on the arrays
+    with that dim moved last (a copy), the outputs moved back (a view)."""
+    arrays, options, scalars = call.arrays, call.options or None, call.scalars or None
+    if call.dim is not None:
+        last = _last_dim(name, arrays[0], call.dim)
+        if last != max(arrays[0].dim(), 1) - 1:
+            moved = [a.movedim(last, -1) for a in arrays]
+            outs = call_family(family, moved, options=options, scalars=scalars, who=who)
+            return tuple(o.movedim(-1, last) for o in outs)
+    return call_family(family, arrays, options=options, scalars=scalars, who=who)
 
 
 def _last_dim(who: str, x: Any, dim: int) -> int:
     """dim as a non-negative index of x's dimensions; IndexError outside them."""
     ndim = max(x.dim(), 1)
     if not -ndim <= dim < ndim:
-        raise IndexError(f"autosoft.{who}: dim {dim} is out of range for a {x.dim()}-dimensional input "
+        raise IndexError(f"{who}: dim {dim} is out of range for a {x.dim()}-dimensional input "
                          f"(expected {-ndim} to {ndim - 1})")
     return dim % ndim
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               window_left: int | None = None, window_right: int | None = None,
-               softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_scale("attention", scale)
-    o, lse = call_family("attention", (q, k, v), options=_attention_options(causal, window_left, window_right, softcap),
-                         scalars={"scale": np.float32(scale)})
-    return o, lse
-
-
-def _attention_options(causal: bool, window_left: int | None, window_right: int | None,
-                       softcap: float | None) -> dict[str, OptionValue]:
-    """The options autosoft.attention passes for the same arguments (with its errors: the schema
-    already made the window sides ints and softcap a float, so only the ValueErrors remain)."""
-    window = None if window_left is None and window_right is None else (window_left, window_right)
-    return call_options(causal, window, softcap)
-
-
-def _attention_colsum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int, causal: bool, scale: float,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_scale("attention_colsum", scale)
-    o, colsum, lse = call_family("attention_colsum", (q, k, v), options=_colsum_options(split, causal, deterministic),
-                                 scalars={"scale": np.float32(scale)})
-    return o, colsum, lse
-
-
-def _colsum_options(split: int, causal: bool, deterministic: bool) -> dict[str, OptionValue]:
-    """As AttentionColsumFamily.python_call builds them."""
-    return {"causal": bool(causal), "split": int(split), "deterministic": bool(deterministic)}
-
-
 # --- the fake implementations: shapes, dtypes and the errors that need no data ----------------
 
-def _fake_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return _fake_along("softmax", x, dim, {})
+def _fake_implementation(op: TorchOperator, single: bool) -> Callable[..., Any]:
+    """The operator's fake implementation: its declared call, then _fake_outputs."""
+    family, declared_call, who = op.family, op.call, f"autosoft.{op.name}"
+
+    def fake(*args: Any) -> Any:
+        call = declared_call(*args)
+        arrays = call.arrays
+        if call.dim is not None:
+            last = _last_dim(who, arrays[0], call.dim)
+            if last != max(arrays[0].dim(), 1) - 1:
+                moved = _fake_outputs(family, who, [a.movedim(last, -1) for a in arrays], call.options)
+                outs = [o.movedim(-1, last) for o in moved]
+                return outs[0] if single else tuple(outs)
+        outs = _fake_outputs(family, who, arrays, call.options)
+        return outs[0] if single else tuple(outs)
+
+    return fake
 
 
-def _fake_log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return _fake_along("log_softmax", x, dim, LOG)
-
-
-def _fake_along(who: str, x: torch.Tensor, dim: int, options: Mapping[str, OptionValue]) -> torch.Tensor:
-    """y as the real path lays it out: contiguous for the last dim, else the moved layout's view."""
-    last = _last_dim(who, x, dim)
-    if last == max(x.dim(), 1) - 1:
-        return _fake_outputs("softmax", (x,), options)[0]
-    return _fake_outputs("softmax", (x.movedim(last, -1),), options)[0].movedim(-1, last)
-
-
-def _fake_softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    last = _last_dim("softmax_backward", y, dim)
-    if y.shape != dy.shape:
-        raise ValueError(f"autosoft.softmax_backward: y {tuple(y.shape)} and dy {tuple(dy.shape)} differ in shape")
-    options = {"log": True} if log else {}
-    if last == max(y.dim(), 1) - 1:
-        return _fake_outputs("softmax_backward", (y, dy), options)[0]
-    moved = _fake_outputs("softmax_backward", (y.movedim(last, -1), dy.movedim(last, -1)), options)[0]
-    return moved.movedim(-1, last)
-
-
-def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    window_left: int | None = None, window_right: int | None = None,
-                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_scale("attention", scale)
-    o, lse = _fake_outputs("attention", (q, k, v), _attention_options(causal, window_left, window_right, softcap))
-    return o, lse
-
-
-def _fake_attention_colsum(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int, causal: bool,
-                           scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_scale("attention_colsum", scale)
-    o, colsum, lse = _fake_outputs("attention_colsum", (q, k, v), _colsum_options(split, causal, deterministic))
-    return o, colsum, lse
-
-
-def _fake_outputs(name: str, arrays: Sequence[torch.Tensor], options: Mapping[str, OptionValue]) -> list[torch.Tensor]:
+def _fake_outputs(name: str, who: str, arrays: Sequence[torch.Tensor],
+                  options: Any) -> list[torch.Tensor]:
     """The checks of arrays._prepare that need no data, in its order and with its errors, then
     empty contiguous outputs in the order of the family's outputs.
 
     Device: CUDA, or meta (meta tensors only ever reach this implementation: shape inference
     with a model built on the meta device works); CPU and other devices are refused as the real
     path refuses them. Shapes: the family's caller_outputs on the (possibly symbolic) shapes, so
-    q, k, v that must agree and 0 < split < N become guards of a dynamic-shape graph; the
-    family's problem checks (head dim, size limits) on the example sizes only (symbolic sizes'
-    hints: no guards, no specialisation), which the real implementation checks again each call."""
+    arrays that must agree become guards of a dynamic-shape graph; the family's problem checks
+    (size limits and the like) on the example sizes only (symbolic sizes' hints: no guards, no
+    specialisation), which the real implementation checks again each call."""
     import torch
 
     family = get_family(name)
-    who = f"autosoft.{name}"
     names = [n for n in family.inputs][:len(arrays)]
     for n, a in zip(names, arrays):
         if a.device.type not in ("cuda", "meta"):
-            raise TypeError(f"{who}: {n} is a CPU tensor; move it to the GPU first ({n}.cuda())")
+            raise not_on_gpu(who, n, a)
     if len({a.device for a in arrays}) != 1:
         raise ValueError(f"{who}: {', '.join(names)} must be on one device")
     if len({str(a.dtype) for a in arrays}) > 1:
@@ -402,11 +389,12 @@ def _fake_outputs(name: str, arrays: Sequence[torch.Tensor], options: Mapping[st
     dtype = TORCH_NAMES.get(str(arrays[0].dtype))
     if dtype not in family.dtypes:
         raise TypeError(f"{who}: unsupported dtype {arrays[0].dtype}; use {' or '.join(family.dtypes)}")
-    outputs = family.caller_outputs({n: tuple(a.shape) for n, a in zip(names, arrays)}, dtype, options)
+    checked: dict[str, OptionValue] = dict(options)
+    outputs = family.caller_outputs({n: tuple(a.shape) for n, a in zip(names, arrays)}, dtype, checked)
     hinted = {n: tuple(_hint(s) for s in a.shape) for n, a in zip(names, arrays)}
     if all(s is not None for shape in hinted.values() for s in shape) and \
             not any(0 in shape for shape in hinted.values()):
-        family.problem_for(hinted, dtype, options)  # type: ignore[arg-type]  # no Nones here
+        family.problem_for(hinted, dtype, checked)  # type: ignore[arg-type]  # no Nones here
     torch_dtypes = {v: getattr(torch, v) for v in TORCH_NAMES.values()}
     first = arrays[0]
     return [first.new_empty(shape, dtype=torch_dtypes[dt]) for shape, dt in (outputs[o] for o in family.outputs)]
@@ -419,13 +407,5 @@ def _hint(size: Any) -> int | None:
     hint = getattr(getattr(size, "node", None), "hint", None)
     return hint if isinstance(hint, int) else None
 
-
-LOG = {"log": True}  # the softmax family's problem options for the log-softmax (as api.LOG)
-_LOG_KEY = tuple(LOG.items())  # as call_family puts them in its plan key
-_PLAN_OPTIONS = {"softmax": (), "log_softmax": _LOG_KEY}  # the softmax family's options in its plan keys
-
-_IMPLS = {"softmax": (_softmax, _fake_softmax), "log_softmax": (_log_softmax, _fake_log_softmax),
-          "softmax_backward": (_softmax_backward, _fake_softmax_backward), "attention": (_attention, _fake_attention),
-          "attention_colsum": (_attention_colsum, _fake_attention_colsum)}
 
 register()

@@ -158,3 +158,41 @@ def test_attention_passes_only_the_given_options_and_never_the_kv_shape(monkeypa
     assert (name, count, kw["options"]) == ("attention", 3, options)
     assert all(type(v) in (bool, int, float) for v in kw["options"].values())
     assert kw["scalars"] == {"scale": np.float32(0.125)} and type(kw["scalars"]["scale"]) is np.float32
+
+
+class HostProducer:
+    """A DLPack producer whose memory is on the host (DLPack device type 1, kDLCPU)."""
+
+    def __dlpack__(self, *args, **kwargs):
+        raise AssertionError("a host producer's memory must not be asked for")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+class OtherDeviceProducer(HostProducer):
+    def __dlpack_device__(self):
+        return (10, 0)  # kDLROCM
+
+
+def test_a_host_dlpack_producer_is_a_type_error_without_a_device(no_gpu_allowed):
+    """README: a host array raises TypeError, also on a machine without a GPU (it raised NoDeviceError
+    there, CuPy being asked first)."""
+    with pytest.raises(TypeError, match=r"^autosoft\.softmax: x is a test_arrays\.HostProducer in host memory; "
+                                        r"move it to the GPU first$"):
+        autosoft.softmax(HostProducer())
+    with pytest.raises(TypeError, match=r"^autosoft\.log_softmax: x is a test_arrays\.OtherDeviceProducer on a "
+                                        r"DLPack device of type 10, not a CUDA GPU"):
+        autosoft.log_softmax(OtherDeviceProducer(), dim=0)
+
+
+def test_a_meta_tensor_is_called_a_meta_tensor(no_gpu_allowed):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^autosoft\.softmax: x is a meta tensor \(a shape without data\); autosoft "
+                                        r"computes on CUDA tensors"):
+        autosoft.softmax(torch.empty(4, 8, device="meta"))
+    q = torch.empty(1, 2, 16, 64, dtype=torch.float16, device="meta")
+    with pytest.raises(TypeError, match=r"^autosoft\.attention: q is a meta tensor"):
+        autosoft.attention(q, q, q)
+    with pytest.raises(TypeError, match=r"^autosoft\.softmax: x is a CPU tensor; move it to the GPU first \(x\.cuda\(\)\)$"):
+        autosoft.softmax(torch.empty(4, 8))

@@ -67,6 +67,22 @@ def test_attention_colsum_operator_is_the_public_function(causal):
     torch.testing.assert_close(colsum_any, colsum, atol=1e-5, rtol=1e-3)
 
 
+def test_compiled_family_function_is_its_operator_with_no_graph_break():
+    """autosoft.attention_colsum is served from its family's python_call; under torch.compile it calls
+    the family's operator (api.family_function), so the graph has no break and eager's bits."""
+    q, k, v = qkv((1, 4, 300, 64), F16)
+
+    def f(q, k, v):
+        o, colsum, lse = autosoft.attention_colsum(q, k, v, 100, causal=True, return_lse=True, deterministic=True)
+        return o * 2, colsum, lse
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)
+    for got, expected in zip(compiled(q, k, v), eager):
+        assert torch.equal(got, expected)
+    assert torch._dynamo.explain(f)(q, k, v).graph_break_count == 0
+
+
 def test_operators_refuse_inputs_that_require_gradients():
     q, k, v = qkv((1, 2, 64, 64), F16)
     k.requires_grad_()

@@ -10,9 +10,11 @@ on a CUDA fake tensor aborts the process on a CPU-only torch) the inputs are met
 reach only the fake implementations too. tests/test_gpu_torch_ops.py runs the real kernels."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,9 @@ torch = pytest.importorskip("torch")
 import autosoft  # noqa: E402
 import autosoft.torch_ops as torch_ops  # noqa: E402
 from autosoft.autograd import no_backward_error  # noqa: E402
+from autosoft.families.base import Call  # noqa: E402
+from autosoft.operators import Backward, OperatorCall, TorchOperator  # noqa: E402
+from fault_family import FaultyFamily  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 ops = torch.ops.autosoft
@@ -92,6 +97,116 @@ def test_autosoft_alone_never_imports_torch_and_torch_ops_registers_on_import():
             "import autosoft.torch_ops, torch; torch.ops.autosoft.attention_colsum.default; print('ok')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+# --- a family's declaration is all it takes ----------------------------------------------------
+
+def _toy_call(x, factor):
+    if not factor > 0:
+        raise ValueError(f"autosoft.toy_scale: factor must be positive, got {factor}")
+    return OperatorCall((x,), {}, {"factor": np.float32(factor)})
+
+
+def _toy_gradient(ops, saved, grads):
+    return grads[0] * saved["factor"], None  # y = factor x
+
+
+class ToyFamily(FaultyFamily):
+    """A family defined here, with one operator and a Python function: nothing in autosoft names it."""
+    name = "toy"
+    inputs = ("x", "factor")
+    torch_operators = (
+        TorchOperator("toy_scale", "toy", "(Tensor x, float factor) -> Tensor", _toy_call,
+                      backward=Backward(("factor",), _toy_gradient)),
+        TorchOperator("toy", "toy", "(Tensor x, float factor) -> Tensor", _toy_call,
+                      backward=Backward(("factor",), _toy_gradient)),
+    )
+
+    def python_call(self, x, factor=1.0) -> Call:
+        return Call((x,), {}, {"factor": np.float32(factor)}, ("y",))
+
+
+def test_torch_ops_names_no_family_and_no_operator():
+    source = Path(torch_ops.__file__).read_text()
+    names = set(autosoft.families.families()) | set(torch_ops.OPS)
+    assert not [n for n in names if re.search(rf"\b{n}\b", source)]
+
+
+def test_a_family_that_declares_an_operator_gets_it_with_fake_and_autograd_kernels(monkeypatch):
+    """A family registered after import (a plug-in) gets its operator on the next register(): real,
+    fake and Autograd kernels from its declaration alone."""
+    monkeypatch.setitem(autosoft.families._registry, "toy", ToyFamily())
+    torch_ops.register()
+    assert "toy_scale" in torch_ops.OPS and torch_ops.toy_scale is ops.toy_scale.default
+    assert str(ops.toy_scale.default._schema) == "autosoft::toy_scale(Tensor x, float factor) -> Tensor"
+    with FakeTensorMode():  # the fake kernel: the family's caller_outputs
+        y = ops.toy_scale(fake_cuda(21), 2.0)
+        assert (y.shape, y.dtype, y.device.type) == ((21,), F32, "cuda")
+        with pytest.raises(ValueError, match=r"autosoft\.toy_scale: factor must be positive, got -1\.0"):
+            ops.toy_scale(fake_cuda(21), -1.0)
+        with pytest.raises(TypeError, match=r"autosoft\.toy_scale: unsupported dtype torch\.float16; use float32"):
+            ops.toy_scale(fake_cuda(21, dtype=F16), 1.0)
+    meta = torch.empty(5, device="meta")
+    assert set(torch.library.opcheck(ops.toy_scale.default, (meta, 3.0)).values()) == {"SUCCESS"}
+    seen = []  # the real kernel: the declared call through the array layer (a stand-in here)
+    monkeypatch.setattr(torch_ops, "call_family", lambda name, arrays, *, options=None, scalars=None, who=None:
+                        seen.append((name, options, scalars, who)) or (arrays[0] * float(scalars["factor"]),))
+    assert ops.toy_scale(torch.ones(3), 4.0).tolist() == [4.0] * 3
+    assert seen == [("toy", None, {"factor": np.float32(4.0)}, "autosoft.toy_scale")]
+    x = torch.ones(3, requires_grad=True)  # autograd: the declared formula
+    (dx,) = torch.autograd.grad(ops.toy_scale(x, 3.0).sum(), x)
+    assert dx.tolist() == [3.0] * 3
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda x: ops.toy_scale(x * 2, 0.5) + 1, backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        assert compiled(fake_cuda(16)).shape == (16,)
+    assert op_targets(graphs[0]) == ["autosoft.toy_scale"]
+    torch._dynamo.reset()
+
+
+def test_a_family_function_with_gradients_goes_through_its_operators_declared_backward(monkeypatch):
+    """autosoft.toy (built from ToyFamily.python_call): plain calls take the array layer, calls that
+    autograd records take the operator named like the family, differentiated by its formula."""
+    import autosoft.api
+
+    monkeypatch.setitem(autosoft.families._registry, "toy", ToyFamily())
+    torch_ops.register()
+    taken = []
+
+    def stand_in(route):
+        def call_family(name, arrays, *, options=None, scalars=None, out=None, who=None):
+            taken.append(route)
+            return (arrays[0] * float(scalars["factor"]),)
+        return call_family
+
+    monkeypatch.setattr(autosoft.api, "call_family", stand_in("plan"))
+    monkeypatch.setattr(torch_ops, "call_family", stand_in("operator"))
+    toy = autosoft.api.family_function("toy")
+    try:
+        x = torch.ones(3, requires_grad=True)
+        y = toy(x, 3.0)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        assert dx.tolist() == [3.0] * 3 and type(y.grad_fn).__name__ == "toy_autogradBackward"
+        with torch.no_grad():
+            assert toy(x, 2.0).tolist() == [2.0] * 3
+        assert toy(x.detach(), 2.0).grad_fn is None
+        assert taken == ["operator", "plan", "plan"]
+    finally:
+        autosoft.api.family_function.cache_clear()
+
+
+def test_an_operator_whose_schema_returns_other_than_the_family_outputs_is_refused(monkeypatch):
+    class TwoOutputs(FaultyFamily):
+        name = "toy_two"
+        torch_operators = (TorchOperator("toy_two", "toy_two", "(Tensor x) -> (Tensor a, Tensor b)",
+                                         lambda x: OperatorCall((x,))),)
+
+    monkeypatch.setitem(autosoft.families._registry, "toy_two", TwoOutputs())
+    with pytest.raises(ValueError, match=r"torch operator toy_two: its schema returns 2 tensors, the toy_two "
+                                         r"family's outputs are y"):
+        torch_ops.register()
+    assert "toy_two" not in torch_ops.OPS and not hasattr(ops, "toy_two")
 
 
 # --- the fake implementations ----------------------------------------------------------------
@@ -403,11 +518,12 @@ def test_inputs_that_require_gradients_are_refused_while_autograd_records(name):
 
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("dim", [-1, 0, 1])
-def test_softmax_gradients_flow_through_the_softmax_backward_operator(log, dim):
-    """Autograd records the operator with its output saved; backward calls softmax_backward with
-    that output, the incoming gradient, the dim and the flavour (meta tensors: the fake paths)."""
+def test_softmax_gradients_flow_through_the_softmax_backward_operator(monkeypatch, log, dim):
+    """Autograd records the operator with its output saved; backward (the softmax family's declared
+    formula) calls softmax_backward with that output, the incoming gradient, the dim and the
+    flavour (meta tensors: the fake paths)."""
     seen = []
-    real = torch_ops.softmax_backward
+    real = ops.softmax_backward
 
     def spy(y, dy, d, flavour):
         seen.append((tuple(y.shape), tuple(dy.shape), d, flavour))
@@ -416,11 +532,10 @@ def test_softmax_gradients_flow_through_the_softmax_backward_operator(log, dim):
     x = torch.empty(5, 7, 33, device="meta").requires_grad_()
     y = (ops.log_softmax if log else ops.softmax)(x, dim)
     assert y.requires_grad and y.shape == x.shape
-    torch_ops.softmax_backward = spy
-    try:
-        (dx,) = torch.autograd.grad(y, x, torch.empty_like(y))
-    finally:
-        torch_ops.softmax_backward = real
+    assert type(y.grad_fn).__name__ == ("log_softmax" if log else "softmax") + "_autogradBackward"
+    monkeypatch.setattr(ops, "softmax_backward", spy)  # the formula calls torch.ops.autosoft.softmax_backward
+    (dx,) = torch.autograd.grad(y, x, torch.empty_like(y))
+    monkeypatch.undo()
     assert seen == [((5, 7, 33), (5, 7, 33), dim, log)]
     assert dx.shape == x.shape and dx.device.type == "meta"
 
@@ -523,6 +638,23 @@ def test_the_public_softmax_functions_trace_as_the_operators(no_kernels, dim):
     with FakeTensorMode():
         assert compiled(fake_cuda(4, 8)).shape == (4, 8)
     assert op_targets(graphs[0]) == ["autosoft.softmax.default", "autosoft.log_softmax.default"]
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_family_function_traces_as_its_families_operator(no_kernels, return_lse):
+    """autosoft.attention_colsum is built from its family's python_call; while torch.compile traces,
+    it calls the family's operator with the call's arrays, options and scalars by their names."""
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+    compiled = torch.compile(lambda q, k, v: autosoft.attention_colsum(q, k, v, 5, causal=True, scale=0.25,
+                                                                       return_lse=return_lse),
+                             backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        outs = compiled(*[fake_cuda(1, 2, 16, 64, dtype=F16) for _ in range(3)])
+    assert [tuple(t.shape) for t in outs] == [(1, 2, 16, 64), (1, 2, 5)] + [(1, 2, 16)] * return_lse
+    (node,) = [n for n in graphs[0].graph.nodes if "autosoft" in str(n.target)]
+    assert str(node.target) == "autosoft.attention_colsum.default" and node.args[3:] == (5, True, 0.25, False)
     torch._dynamo.reset()
 
 

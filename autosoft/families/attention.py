@@ -35,6 +35,7 @@ import numpy as np
 
 from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
+from ..operators import OperatorCall, TorchOperator
 from ..space import ParamValue
 from . import register
 from .base import Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap, option_flag, valid_neighbours
@@ -745,3 +746,21 @@ def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any
 
 
 ATTENTION = register(AttentionFamily())
+
+
+# --- the torch operator (autosoft.torch_ops registers it) ---------------------------------------
+
+def _operator_call(q: Any, k: Any, v: Any, causal: bool, scale: float, window_left: int | None = None,
+                   window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
+    """What autosoft.attention runs for the same arguments (window=(window_left, window_right))."""
+    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
+        raise ValueError(f"autosoft.attention: scale must be positive, got {scale}")
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    return OperatorCall((q, k, v), call_options(causal, window, softcap), {"scale": np.float32(scale)})
+
+
+AttentionFamily.torch_operators = (
+    TorchOperator("attention", "attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
+                  "int? window_left=None, int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
+                  _operator_call, instead="scaled_dot_product_attention"),
+)

@@ -27,6 +27,7 @@ import numpy as np
 from ..autograd import refuse_gradients
 from ..dtypes import to_float64
 from ..errors import UserError
+from ..operators import OperatorCall, TorchOperator
 from ..space import ParamValue
 from . import register
 from .attention import AttentionFamily
@@ -274,3 +275,22 @@ def reference_colsum(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> An
 __all__ = ["ATTENTION_COLSUM", "AttentionColsumFamily", "reference_colsum"]
 
 ATTENTION_COLSUM = register(AttentionColsumFamily())
+
+
+# --- the torch operator (autosoft.torch_ops registers it) ---------------------------------------
+
+def _operator_call(q: Any, k: Any, v: Any, split: int, causal: bool, scale: float,
+                   deterministic: bool) -> OperatorCall:
+    """What autosoft.attention_colsum runs for the same arguments."""
+    if not scale > 0:  # the kernel tracks the running max of the unscaled scores
+        raise ValueError(f"autosoft.attention_colsum: scale must be positive, got {scale}")
+    return OperatorCall((q, k, v), {"causal": bool(causal), "split": int(split), "deterministic": bool(deterministic)},
+                        {"scale": np.float32(scale)})
+
+
+AttentionColsumFamily.torch_operators = (
+    TorchOperator("attention_colsum", "attention_colsum", "(Tensor q, Tensor k, Tensor v, int split, bool causal, "
+                  "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)", _operator_call,
+                  instead="scaled_dot_product_attention"),
+)
+AttentionColsumFamily.python_returns = "tuple[Array, Array] | tuple[Array, Array, Array]"  # (o, colsum[, lse])

@@ -3,12 +3,14 @@ With the problem option `log`, the log-softmax: the same kernels, whose write pa
 x - max - log(sum) instead of e^(x - max) / sum."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
+from ..operators import Backward, OperatorCall, TorchOperator
 from ..space import ParamValue
 from . import register
 from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor, worst_mismatch
@@ -216,3 +218,26 @@ class SoftmaxFamily(RowsFamily):
 
 SOFTMAX = register(SoftmaxFamily())
 
+
+# --- the torch operators (autosoft.torch_ops registers them) -----------------------------------
+
+def _along(x: Any, dim: int) -> OperatorCall:
+    return OperatorCall((x,), dim=dim)
+
+
+def _log_along(x: Any, dim: int) -> OperatorCall:
+    return OperatorCall((x,), {"log": True}, dim=dim)
+
+
+def _gradient(log: bool, ops: Any, saved: Mapping[str, Any], grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """dx from y alone: the softmax_backward family, dx = y (dy - sum(dy y)), or for the log-softmax
+    dx = dy - e^y sum(dy); dim has no gradient."""
+    return ops.softmax_backward(saved["y"], grads[0], saved["dim"], log), None
+
+
+SoftmaxFamily.torch_operators = (
+    TorchOperator("softmax", "softmax", "(Tensor x, int dim) -> Tensor", _along,
+                  backward=Backward(("y", "dim"), partial(_gradient, False)), plan_options={}),
+    TorchOperator("log_softmax", "softmax", "(Tensor x, int dim) -> Tensor", _log_along,
+                  backward=Backward(("y", "dim"), partial(_gradient, True)), plan_options={"log": True}),
+)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
+from ..operators import OperatorCall, TorchOperator
 from ..space import ParamValue
 from . import register
 from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor, worst_mismatch
@@ -275,3 +276,18 @@ def _store(values64: Any, dtype: str) -> Any:
 
 
 SOFTMAX_BACKWARD = register(SoftmaxBackwardFamily())
+
+
+# --- the torch operator (autosoft.torch_ops registers it) ---------------------------------------
+
+def _along(y: Any, dy: Any, dim: int, log: bool) -> OperatorCall:
+    """dx of the softmax (log: the log-softmax) along dim from its output y and dy."""
+    if y.shape != dy.shape:
+        raise ValueError(f"autosoft.softmax_backward: y {tuple(y.shape)} and dy {tuple(dy.shape)} differ in shape")
+    return OperatorCall((y, dy), {"log": True} if log else {}, dim=dim)
+
+
+SoftmaxBackwardFamily.torch_operators = (
+    TorchOperator("softmax_backward", "softmax_backward", "(Tensor y, Tensor dy, int dim, bool log) -> Tensor", _along,
+                  instead="softmax"),
+)
