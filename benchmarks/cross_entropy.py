@@ -193,10 +193,10 @@ def bench_row(torch: Any, tokens: int, vocab: int, dtype: str, params: dict, con
         x.grad = None
     row.update({f"{name}_us": medians.get(name) for name in timers})
     row.update({f"{name}_error": error for name, error in errors.items()})
-    copy = medians.get("copy")
+    copy_us = medians.get("copy")
     for name in timers:
         us = medians.get(name)
-        row[f"{name}_pct_copy"] = 100 * copy / us if us and copy else None
+        row[f"{name}_pct_copy"] = 100 * copy_us / us if us and copy_us else None
     # a check on the first rows of one set: the kernel's loss against float32 torch
     kernel(0)
     rows = min(tokens, 1024)
