@@ -14,8 +14,10 @@ import typing as _typing
 from ._version import __version__  # noqa: E402
 from .api import attention, load_cache, log_softmax, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
+from .families.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402 - torch functions of their own
 
-_API = ["softmax", "log_softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
+_API = ["softmax", "log_softmax", "attention", "cross_entropy", "linear_cross_entropy", "load_cache", "UserError",
+        "NoDeviceError", "__version__"]
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -201,6 +201,25 @@ def _one_point_per_strategy():
         problem = backward.problem(shape, "float16", {"log": True})
         target = Target.for_arch("90")
         picks.append((backward, problem, target, backward.default_params(problem, target)))
+    # every other built-in family: among the default and the seeds of its examples, one point of
+    # each combination of its strategies (its parameters with text values), which the seeds cover
+    # (a new family then needs no line here)
+    from autosoft.families import families
+    from autosoft.families.base import template_root
+
+    named = {f.name for f in _families()}
+    for family in families().values():
+        if family.name in named or template_root(family) is not None:
+            continue
+        seen = set()
+        for shape, dtype, options in family.examples:
+            problem = family.problem(shape, dtype, options)
+            target = Target.for_arch("90")
+            for params in (family.default_params(problem, target), *family.seed_params(problem, target)):
+                kind = tuple(sorted((k, v) for k, v in params.items() if isinstance(v, str)))
+                if kind not in seen:
+                    seen.add(kind)
+                    picks.append((family, problem, target, params))
     return picks
 
 
@@ -233,7 +252,9 @@ def test_every_template_file_is_read_by_some_render_and_covered_by_its_digest(lo
 
     root = templates_dir()
     assert set().union(*loads.values()) == set(_template_files(root))
-    also = {f.template: f.template_folders for f in _families()}
+    from autosoft.families import families
+
+    also = {f.template: f.template_folders for f in families().values()}
     for template, read in loads.items():
         covered = {n for folder in _covered_folders(template, root, also[template]) for n in _templates_in(root, folder)}
         assert read <= covered, read - covered

@@ -1,0 +1,669 @@
+"""Cross-entropy over the rows of (M, N) logits (N the vocabulary), with its gradient in the same
+read of the logits: the loss and the backward of a language model's last layer.
+
+Per row r with target t (int64 or int32, the option `int32_target`), label smoothing eps and
+z-loss weight z (run-time scalars, as is ignore_index):
+
+    lse[r]     = log(sum_i e^x_i)
+    loss[r]    = (1 - eps) (lse - x_t) + eps (lse - mean_i x_i) + z lse^2      (0 where t == ignore_index)
+    grad[r, i] = scale * (softmax_i (1 + 2 z lse) - eps / N - (1 - eps) [i == t])  (0 where ignored)
+
+with `scale` a one-element float32 array (1 / the rows kept for a mean, else 1): the gradient of
+the reduced loss for an incoming gradient of 1, which the backward only rescales by the incoming
+gradient where that is not 1. torch's F.cross_entropy(label_smoothing=eps) plus z lse^2 (PaLM's
+z-loss). The option `inplace` compiles kernels that may write grad over the logits themselves;
+`loss_only` kernels write no gradient (grad is then an empty (M, 0) array): a call that needs none.
+
+The public functions `autosoft.cross_entropy` and `autosoft.linear_cross_entropy` (torch tensors,
+with autograd) are at the end of this module.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
+from ..errors import UserError
+from ..space import ParamValue
+from . import register
+from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor, worst_mismatch
+from .base import Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
+
+__all__ = ["CrossEntropyFamily", "CROSS_ENTROPY", "cross_entropy", "linear_cross_entropy", "reference"]
+
+SCALARS = ("ignore_index", "label_smoothing", "z_loss")  # run-time kernel arguments, not problem options
+_KERNEL_BUFFERS = ("logits", "target", "scale", "grad", "loss", "lse")
+
+# The gradient's tolerance per logits dtype: rtol for its rounding to the dtype (half an ulp:
+# 2^-24, 2^-11, 2^-8, with margin), abs_atol for flushed fp32 subnormals and one fp16 subnormal step.
+GRAD_TOLERANCE = {"float32": (2e-6, 1e-37), "float16": (1e-3, 6e-8), "bfloat16": (4e-3, 1e-37)}
+# fp32 arithmetic on a row: the sum of e^(x - max) over up to 2^18 terms in order and a tree,
+# ex2.approx's relative error and x - max's rounding: FP32_COEF times the magnitudes involved.
+FP32_COEF = 2e-5
+CHECK_ROWS = 1024  # rows `check` compares at a time
+
+
+class CrossEntropyFamily(RowsFamily):
+    """The loss, the log-sum-exp and the gradient of cross-entropy, row by row, from one read of
+    (M, N) logits and M targets."""
+    name = "cross_entropy"
+    template = "cross_entropy/cross_entropy.cu.j2"
+    inputs = ("logits", "target", "scale", *SCALARS)
+    outputs = ("loss", "lse", "grad")
+    options = (ProblemOption("int32_target", "targets are int32 (default: int64, as torch's)"),
+               ProblemOption("inplace", "kernels that may write the gradient over the logits (coherent loads)"),
+               ProblemOption("loss_only", "the loss and lse alone, no gradient written (grad is empty)"))
+    input_kinds = ("normal", "smoothed", "neg_inf", "large")
+    # grad shares the logits' address modulo 16, so one scalar head and tail per row serves both
+    input_alignment = 16
+    shape_help = "MxN: tokens x vocabulary, e.g. 8192x128256"
+    examples = (("1x1", "float32", {}), ("7x33", "bfloat16", {}), ("5x1025", "float16", {"int32_target": True}),
+                ("64x50257", "bfloat16", {}), ("33x32000", "float32", {"inplace": True}),
+                ("4096x32000", "bfloat16", {}), ("16x128256", "bfloat16", {}), ("8x151936", "float32", {}),
+                ("4x256000", "bfloat16", {"inplace": True}), ("3x256000", "float32", {"int32_target": True}),
+                ("9x50257", "bfloat16", {"loss_only": True}))
+
+    # --- problems ------------------------------------------------------------------------------
+    def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
+        m, n = problem.shape
+        return {"M": m, "N": n, "itemsize": ITEMSIZE[problem.dtype], "smem_limit": target.smem_optin - 4096,
+                "arch": int(target.arch), "sm_count": target.sm_count}
+
+    def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                    options: Mapping[str, OptionValue]) -> Problem:
+        """logits (..., N) and target (...): the leading dimensions are the rows."""
+        logits, target = tuple(shapes["logits"]), tuple(shapes["target"])
+        if len(logits) == 0:
+            raise ValueError("autosoft.cross_entropy: logits is a scalar; it needs a vocabulary dimension")
+        if target != logits[:-1]:
+            raise ValueError(f"autosoft.cross_entropy: target {target} must have the shape of logits {logits} "
+                             "without its last (vocabulary) dimension")
+        return super(RowsFamily, self).problem_for({"logits": (math.prod(logits[:-1]), logits[-1])}, dtype, options)
+
+    def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
+                       options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """loss and lse shaped like target (float32), grad like the logits (with loss_only, its
+        last dimension 0: empty)."""
+        rows = tuple(shapes["target"])
+        grad = rows + (0,) if options.get("loss_only") else tuple(shapes["logits"])
+        return {"loss": (rows, "float32"), "lse": (rows, "float32"), "grad": (grad, dtype)}
+
+    def problem_distance(self, a: Problem, b: Problem) -> float:
+        """shape_distance, plus one step per option that differs: the options change only the
+        kernels' loads and target type, so a variant tuned for int64 targets and a separate
+        gradient serves int32 targets or an in-place gradient too (verified there, as any
+        borrowed variant is)."""
+        differ = len(set(a.options) ^ set(b.options))
+        return self.shape_distance(a.shape, b.shape) + differ
+
+    # --- variants ------------------------------------------------------------------------------
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        p = params
+        name = f"cross_entropy_{_SHORT[problem.dtype]}_t{p['threads']}_v{p['vec']}_u{p['unroll']}_{p['storage']}"
+        if p["split"] != 1:
+            name += f"_{p['combine']}{p['split']}"
+        if p["streaming"]:
+            name += "_cs"
+        if problem.option("int32_target"):
+            name += "_i32"
+        if problem.option("inplace"):
+            name += "_inplace"
+        if problem.option("loss_only"):
+            name += "_loss_only"
+        return name
+
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {**values, "dtype": problem.dtype, "vec_bits_type": VEC_BITS_TYPE[values["vec_bytes"]],
+                "pairs": ITEMSIZE[problem.dtype] == 2 and values["vec"] >= 2,  # 16-bit vectors as packed pairs
+                "target_type": "int" if problem.option("int32_target") else "long long",
+                "inplace": bool(problem.option("inplace", False)),
+                "write_grad": not problem.option("loss_only", False)}
+
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        m = problem.shape[0]
+        split = values["split"]
+        blocks = m * split
+        if blocks > INT32_MAX:
+            raise UserError(f"{problem.shape_text}: too many rows for one launch; split the call")
+        args = _KERNEL_BUFFERS + SCALARS
+        kernel = "cross_entropy_rows"
+        if values["combine"] == "grid":
+            # workspace: a float4 of statistics per segment, then an arrival counter per row
+            return (Launch(kernel, (blocks, 1, 1), (values["threads"], 1, 1), values["smem_bytes"],
+                           (*args, "workspace", np.int64(m)), cooperative=True),), m * split * 16 + m * 4
+        cluster = split if values["combine"] == "cluster" else 1
+        return (Launch(kernel, (blocks, 1, 1), (values["threads"], 1, 1), values["smem_bytes"],
+                       (*args, np.int64(m)), cluster),), 0
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
+        """A sensible variant without tuning: 16-byte vectors, the row held in the registers of one
+        block (about eight vectors a thread, else four); longer rows held over a cluster of 2..8
+        blocks (sm_90), else staged over one, else held over 16; else staged in the shared memory
+        of one block, else streamed twice. Blocks of 512 threads
+        come first: at 1024 threads (64 registers each) ptxas spills some held rows of 16-bit data
+        (nvcc -Xptxas -v: 4096x32000 bfloat16, 4 vectors a thread, 56 bytes). loss_only: one
+        streamed pass (reread without its second pass), several loads in flight."""
+        m, n = problem.shape
+        vec = min(16 // ITEMSIZE[problem.dtype], pow2_floor(n))
+        vectors = -(-n // vec)
+        p: dict[str, ParamValue] = {"threads": 128, "vec": vec, "unroll": 1, "storage": "registers",
+                                    "split": 1, "combine": "none", "streaming": False}
+        candidates = [{**p, "threads": min(1024, max(128, pow2_ceil(-(-vectors // per))))} for per in (8, 4)]
+        if problem.option("loss_only"):  # nothing to hold for a gradient: one streamed pass
+            candidates = [{**p, "storage": "reread", "threads": t, "unroll": u} for t in (512, 256, 128)
+                          for u in (4, 2)] + candidates
+        if int(target.arch) >= 90:
+            # portable clusters (at most 8 blocks) first, held in registers, then staged in shared
+            # memory; 16 blocks last: a cluster of 16 needs 16 SMs of one GPC free at once
+            cluster = {**p, "combine": "cluster"}
+            candidates += [{**cluster, "threads": t, "split": s} for t in (512, 1024) for s in (2, 4, 8)]
+            candidates += [{**cluster, "storage": "smem", "threads": t, "split": s} for s in (2, 4, 8)
+                           for t in (512, 1024)]
+            candidates += [{**cluster, "threads": t, "split": 16} for t in (512, 1024)]
+        candidates += [{**p, "storage": "smem", "threads": t} for t in (1024, 512)]
+        candidates += [{**p, "storage": "reread", "threads": 1024, "unroll": u} for u in (4, 2, 1)]
+        for candidate in candidates:
+            if self.is_valid(problem, target, candidate):
+                return candidate
+        return self.first_valid(problem, target, p, ({"storage": "reread", "threads": 128},
+                                                     {"vec": 1}))
+
+    def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
+        """Starting points the tuner measures first: the row held in registers by blocks of every
+        size (also with evict-first accesses), staged in shared memory, streamed twice with more
+        loads in flight, held or staged over clusters (sm_90), and split over a cooperative grid
+        for few rows."""
+        base = self.default_params(problem, target)
+        whole = {"split": 1, "combine": "none", "unroll": 1}
+        changes: list[dict[str, ParamValue]] = [{"streaming": True}]
+        for threads in (128, 256, 512, 1024):
+            changes.append({**whole, "storage": "registers", "threads": threads})
+            changes.append({**whole, "storage": "registers", "threads": threads, "streaming": True})
+            changes.append({**whole, "storage": "smem", "threads": threads})
+        for threads in (256, 512, 1024):
+            for unroll in (2, 4, 8):
+                changes.append({**whole, "storage": "reread", "threads": threads, "unroll": unroll})
+                changes.append({**whole, "storage": "reread", "threads": threads, "unroll": unroll, "streaming": True})
+        for split in (2, 4, 8, 16):
+            for threads in (256, 512, 1024):
+                for storage in ("registers", "smem"):
+                    changes.append({"split": split, "combine": "cluster", "threads": threads, "storage": storage,
+                                    "unroll": 1})
+        for split in (2, 4, 8, 16, 32, 64):  # the space keeps those whose grid is resident at once
+            for threads in (512, 1024):
+                changes.append({"split": split, "combine": "grid", "threads": threads, "storage": "registers",
+                                "unroll": 1})
+        return valid_neighbours(self, problem, target, base, changes)
+
+    # --- costs ---------------------------------------------------------------------------------
+    def bytes_moved(self, problem: Problem) -> int:
+        """The logits read once and their gradient written once (the targets and the per-row
+        outputs are a rounding error beside them)."""
+        m, n = problem.shape
+        return 2 * m * n * ITEMSIZE[problem.dtype]
+
+    def output_specs(self, problem: Problem) -> dict[str, tuple[tuple[int, ...], str]]:
+        m, _ = problem.shape
+        grad = (m, 0) if problem.option("loss_only") else problem.shape
+        return {"loss": ((m,), "float32"), "lse": ((m,), "float32"), "grad": (grad, problem.dtype)}
+
+    # --- verification (on the GPU through CuPy; NumPy works too: xp is the array module) ---------
+    def make_inputs(self, problem: Problem, kind: str, xp: Any, rng: Any) -> dict[str, Any]:
+        """Random logits (x50 for `large`; 20% -inf for `neg_inf`, every row keeping a finite
+        entry and some targets on -inf: an infinite loss), random targets with about one row in
+        eight ignored, the scale of a mean over the rows kept; `smoothed` and `neg_inf` set label
+        smoothing and a z-loss, and `smoothed` a non-default ignore_index. rng: xp's Generator."""
+        m, n = problem.shape
+        x = rng.standard_normal((m, n), dtype=np.float32) * 2
+        t = rng.integers(0, n, size=m)
+        ignore_index, eps, z = -100, 0.0, 0.0
+        if kind == "large":
+            x *= 50
+        elif kind == "smoothed":
+            ignore_index, eps, z = n // 2, 0.1, 1e-3
+        elif kind == "neg_inf":
+            x[rng.random((m, n)) < 0.2] = -np.inf
+            rows = xp.arange(m)
+            x[rows, (rows * 7 + 3) % n] = 1.0  # every row keeps a finite entry
+            eps, z = 0.05, 1e-4
+        t[rng.random(m) < 0.125] = ignore_index
+        kept = int((t != ignore_index).sum())
+        target = t.astype(np.int32 if problem.option("int32_target") else np.int64)
+        return {"logits": to_storage(x, problem.dtype, xp), "target": target,
+                "scale": xp.asarray(np.array([1.0 / max(kept, 1)], dtype=np.float32)),
+                "ignore_index": np.int64(ignore_index), "label_smoothing": np.float32(eps), "z_loss": np.float32(z)}
+
+    def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
+        """loss, lse and grad against `reference` in float64 from the stored logits, CHECK_ROWS
+        rows at a time (float64 copies of the whole logits would not fit beside them)."""
+        m = problem.shape[0]
+        for start in range(0, m, CHECK_ROWS):
+            rows = slice(start, min(m, start + CHECK_ROWS))
+            wrong = self._check_rows(problem, inputs, outputs, rows, xp)
+            if wrong:
+                return wrong if start == 0 else f"rows from {start}: {wrong}"
+        return None
+
+    def _check_rows(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], rows: slice,
+                    xp: Any) -> str | None:
+        """lse within FP32_COEF (|lse| + 1); the loss within FP32_COEF times the magnitudes of its
+        terms; the gradient within its rounding to the dtype plus FP32_COEF scale p (1 + 2z|lse|)
+        (1 + |x - lse|), an exponential's error from its argument's. Equal infinities match."""
+        x = to_float64(inputs["logits"][rows], problem.dtype, xp)
+        t = inputs["target"][rows].astype(np.int64)
+        ignore, eps, z = int(inputs["ignore_index"]), float(inputs["label_smoothing"]), float(inputs["z_loss"])
+        scale = float(inputs["scale"][0])
+        loss_ref, lse_ref, grad_ref = reference(x, t, ignore, eps, z, scale, xp)
+        lse = outputs["lse"][rows].astype(np.float64)
+        loss = outputs["loss"][rows].astype(np.float64)
+        kept = t != ignore
+        wrong = _worst_row("lse", lse, lse_ref, FP32_COEF * (xp.abs(lse_ref) + 1), xp)
+        if wrong:
+            return wrong
+        # the terms' finite magnitudes (an infinite loss must be matched exactly)
+        finite = xp.where(xp.isfinite(x), xp.abs(x), 0.0)
+        xt = xp.where(kept, finite[xp.arange(x.shape[0]), xp.where(kept, t, 0)], 0.0)
+        terms = xp.abs(lse_ref) + xt + eps * finite.mean(axis=1) + z * lse_ref ** 2 + 1
+        wrong = _worst_row("loss", loss, loss_ref, FP32_COEF * terms, xp)
+        if wrong or problem.option("loss_only"):
+            return wrong
+        rtol, abs_atol = GRAD_TOLERANCE[problem.dtype]
+        grad = to_float64(outputs["grad"][rows], problem.dtype, xp)
+        with np.errstate(invalid="ignore"):
+            p = xp.exp(x - lse_ref[:, None])
+            spread = xp.where(p > 0, 1 + xp.abs(x - lse_ref[:, None]), 0.0)
+        tol = rtol * xp.abs(grad_ref) + FP32_COEF * scale * p * (1 + 2 * z * xp.abs(lse_ref[:, None])) * spread \
+            + FP32_COEF * scale * (eps / x.shape[1] + 2 ** -20) + abs_atol
+        return worst_mismatch(grad, grad_ref, xp.abs(grad - grad_ref), tol, xp)
+
+
+def _worst_row(what: str, got: Any, ref: Any, tol: Any, xp: Any) -> str | None:
+    """None when every row's value is within tol of ref (equal infinities match), else the worst."""
+    same = got == ref  # equal infinities
+    with np.errstate(invalid="ignore"):
+        err = xp.where(same, 0.0, xp.abs(got - ref))
+    bad = ~(err <= tol)
+    if not bool(bad.any()):
+        return None
+    r = int(xp.argmax(xp.where(bad, xp.nan_to_num(err, nan=np.inf), -1.0)))
+    return (f"{what}: {int(bad.sum())} of {got.size} rows off; worst row {r}: got {float(got[r])!r}, "
+            f"expected {float(ref[r])!r} (tolerance {float(tol[r]):.3g})")
+
+
+def reference(x: Any, target: Any, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+              scale: float = 1.0, xp: Any = np) -> tuple[Any, Any, Any]:
+    """(loss, lse, grad) of (M, N) float64 logits x and M int targets, as the kernels define them:
+    per-row loss (0 where ignored), lse, and grad = scale * d(loss)/dx (0 where ignored). A target
+    outside [0, N) that is not ignored gives NaN. NumPy or CuPy (xp)."""
+    m, n = x.shape
+    rows = xp.arange(m)
+    kept = target != ignore_index
+    in_range = (target >= 0) & (target < n)
+    mx = x.max(axis=1)
+    ms = xp.where(xp.isfinite(mx), mx, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lse = ms + xp.log(xp.exp(x - ms[:, None]).sum(axis=1))
+        xt = x[rows, xp.where(in_range, target, 0)]
+        loss = (1 - label_smoothing) * (lse - xt) + z_loss * lse ** 2
+        if label_smoothing:
+            loss = loss + label_smoothing * (lse - x.mean(axis=1))
+        loss = xp.where(kept, xp.where(in_range, loss, np.nan), 0.0)
+        p = xp.exp(x - lse[:, None])
+        grad = p * (1 + 2 * z_loss * lse[:, None]) - label_smoothing / n
+        grad[rows, xp.where(in_range, target, 0)] -= xp.where(in_range, 1 - label_smoothing, 0.0)
+        grad = xp.where(kept[:, None], grad * scale, 0.0)
+    return loss, lse, grad
+
+
+CROSS_ENTROPY = register(CrossEntropyFamily())
+
+
+# --- the public functions (torch) ------------------------------------------------------------------
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_arguments(who: str, logits: Any, target: Any, ignore_index: Any, label_smoothing: Any, z_loss: Any,
+                     reduction: Any, reductions: tuple[str, ...] = REDUCTIONS, first: str = "logits") -> Any:
+    """torch, once the arguments are what the kernels take: TypeError or ValueError (one line) else."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{who}: {first} must be a CUDA torch tensor, not {type(logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{who}: target must be a torch tensor of class indices, not {type(target).__name__}")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{who}: unsupported {first} dtype {logits.dtype}; use float32, float16 or bfloat16")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{who}: target must hold int64 or int32 class indices, got {target.dtype}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{who}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{who}: {name} must be a number, got {type(value).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"{who}: z_loss must be finite and >= 0, got {z_loss}")
+    if reduction not in reductions:
+        raise ValueError(f"{who}: reduction must be one of {', '.join(map(repr, reductions))}, got {reduction!r}")
+    return torch
+
+
+def _check_devices(who: str, named: Mapping[str, Any]) -> None:
+    """TypeError for a CPU tensor, ValueError for tensors on several GPUs: checked last, so that
+    every other error shows on the CPU too."""
+    for name, tensor in named.items():
+        if tensor is not None and not tensor.is_cuda:
+            raise TypeError(f"{who}: {name} is a CPU tensor; move it to the GPU first ({name}.cuda())")
+    devices = {tensor.device for tensor in named.values() if tensor is not None}
+    if len(devices) > 1:
+        raise ValueError(f"{who}: {', '.join(n for n, t in named.items() if t is not None)} must be on one device")
+
+
+class _Launcher:
+    """The loaded variant of each (device, dtype, N, options, rows) and its launch function, kept
+    until load_cache or forget clears the dispatcher's caches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._launchers: dict[tuple, Any] = {}
+        self._watching = False
+
+    def clear(self) -> None:
+        self._launchers.clear()
+
+    def get(self, problem: Problem, device: int) -> Any:
+        key = (problem, device)
+        found = self._launchers.get(key)
+        if found is not None:
+            return found
+        from ..arrays import DISPATCHER
+        from ..runtime import cupy_module
+
+        with self._lock:
+            if not self._watching:
+                DISPATCHER.on_clear(self.clear)
+                self._watching = True
+            with cupy_module().cuda.Device(device):
+                loaded = DISPATCHER.loaded(problem, device)
+            found = self._launchers[key] = loaded.launcher(_KERNEL_BUFFERS + SCALARS, SCALARS)
+        return found
+
+
+_LAUNCHER = _Launcher()
+
+
+def _forward(logits2d: Any, target1d: Any, scale: Any, ignore_index: int, eps: float, z: float,
+             inplace: bool, loss_only: bool = False) -> tuple[Any, Any, Any]:
+    """loss (M,), lse (M,) and grad (M, N) (the logits themselves where inplace; None with
+    loss_only) of contiguous 2-D logits, launched on torch's current stream. scale: a one-element
+    float32 tensor."""
+    import torch
+
+    m, n = logits2d.shape
+    device = logits2d.get_device()
+    options: dict[str, OptionValue] = {}
+    if target1d.dtype == torch.int32:
+        options["int32_target"] = True
+    if loss_only:
+        options["loss_only"] = True
+    elif inplace:
+        options["inplace"] = True
+    problem = CROSS_ENTROPY.problem_for({"logits": (m, n), "target": (m,)}, TORCH_DTYPES[logits2d.dtype], options)
+    launch = _LAUNCHER.get(problem, device)
+    loss = torch.empty(m, dtype=torch.float32, device=logits2d.device)
+    lse = torch.empty(m, dtype=torch.float32, device=logits2d.device)
+    grad = None if loss_only else logits2d if inplace else torch.empty_like(logits2d)
+    launch(logits2d.data_ptr(), target1d.data_ptr(), scale.data_ptr(), 0 if grad is None else grad.data_ptr(),
+           loss.data_ptr(),
+           lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z),
+           torch.cuda.current_stream(device).cuda_stream)
+    return loss, lse, grad
+
+
+TORCH_DTYPES: dict[Any, str] = {}
+
+
+def _torch_dtypes(torch: Any) -> None:
+    if not TORCH_DTYPES:
+        TORCH_DTYPES.update({torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"})
+
+
+def _prepared(torch: Any, logits: Any, target: Any) -> tuple[Any, Any, bool]:
+    """2-D logits and 1-D targets the kernels take (contiguous, the logits 16-byte aligned: else
+    copied), and whether the logits were copied (a copy of ours may take the gradient in place)."""
+    _torch_dtypes(torch)
+    x = logits.reshape(-1, logits.shape[-1])
+    copied = not x.is_contiguous() or x.data_ptr() % 16 != 0
+    if copied:
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh block is 256-byte aligned
+    t = target.reshape(-1)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return x, t, copied
+
+
+def _scale_of(torch: Any, target: Any, ignore_index: int, reduction: str) -> Any:
+    """The one-element float32 scale of the gradient: 1 / the rows kept for a mean, else 1. No
+    host synchronisation. With no row kept it is inf, which no row's gradient meets (the kernel
+    scales only the rows kept) and which makes the mean NaN, as torch's."""
+    if reduction == "mean":
+        return (target != ignore_index).sum(dtype=torch.float32).reciprocal().reshape(1)
+    return torch.ones(1, dtype=torch.float32, device=target.device)
+
+
+def _reduced(torch: Any, loss: Any, target: Any, ignore_index: int, reduction: str, scale: Any = None) -> Any:
+    """The per-row losses reduced; a mean through the gradient's scale where given (fewer kernels)."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if scale is not None:
+        return (loss.sum() * scale).reshape(())
+    return loss.sum() / (target != ignore_index).sum()  # 0 / 0 = NaN when every row is ignored, as torch
+
+
+def _scaled_(torch: Any, grad: Any, grad_output: Any) -> Any:
+    """grad * grad_output, in place (grad is ours): nothing to do where grad_output is 1, the
+    usual case (loss.backward()), which costs one synchronisation to know (as Liger's)."""
+    if grad_output.numel() == 1:
+        if bool(grad_output.ne(1).item()):
+            grad.mul_(grad_output.to(grad.dtype))
+        return grad
+    return grad.mul_(grad_output.reshape(*grad_output.shape, 1).to(grad.dtype))
+
+
+def _function_class(torch: Any) -> Any:
+    global _CrossEntropyFunction
+    if _CrossEntropyFunction is None:
+        class CrossEntropyFunction(torch.autograd.Function):
+            """The loss forward; the gradient of the logits computed with it and kept for backward."""
+
+            @staticmethod
+            def forward(ctx: Any, logits: Any, target: Any, ignore_index: int, eps: float, z: float,
+                        reduction: str, inplace: bool) -> Any:
+                x, t, copied = _prepared(torch, logits, target)
+                scale = _scale_of(torch, t, ignore_index, reduction)
+                loss, lse, grad = _forward(x, t, scale, ignore_index, eps, z, inplace or copied)
+                ctx.save_for_backward(grad)
+                ctx.shape = logits.shape
+                lse = lse.reshape(target.shape)
+                ctx.mark_non_differentiable(lse)
+                return _reduced(torch, loss, t, ignore_index, reduction, scale).reshape(
+                    target.shape if reduction == "none" else ()), lse
+
+            @staticmethod
+            def backward(ctx: Any, grad_loss: Any, grad_lse: Any) -> Any:
+                grad, = ctx.saved_tensors
+                g = grad_loss.reshape(-1) if grad_loss.dim() else grad_loss
+                return _scaled_(torch, grad, g).reshape(ctx.shape), None, None, None, None, None, None
+
+        _CrossEntropyFunction = CrossEntropyFunction
+    return _CrossEntropyFunction
+
+
+_CrossEntropyFunction: Any = None
+
+
+def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  z_loss: float = 0.0, reduction: str = "mean", *, inplace_backward: bool = False,
+                  return_lse: bool = False) -> Any:
+    """Cross-entropy of logits (..., V) (CUDA torch tensor: float32, float16, bfloat16) against
+    target (...) class indices (int64 or int32), as torch.nn.functional.cross_entropy with
+    ignore_index and label_smoothing, plus the z-loss z_loss * lse^2 per row (PaLM). reduction:
+    "mean" over the rows not ignored, "sum", or "none" (a float32 loss per row, 0 where ignored).
+    Returns the loss (float32), or (loss, lse) with return_lse=True (lse float32 per row).
+
+    One kernel reads the logits once and writes their gradient with the loss (the tuned
+    cross_entropy family); backward scales it by the incoming gradient where that is not 1.
+    inplace_backward=True lets that gradient overwrite the logits (as Liger's): the logits'
+    memory is reused, and their values are gone after the call. Called without gradients
+    (no requires_grad, or under torch.no_grad()), the gradient is computed and dropped.
+    A target outside [0, V) that is not ignore_index gives a NaN loss (torch raises).
+    While torch.compile traces, it is the operator torch.ops.autosoft_ce.cross_entropy
+    (autosoft/families/_cross_entropy_op.py)."""
+    torch = _check_arguments("autosoft.cross_entropy", logits, target, ignore_index, label_smoothing, z_loss,
+                             reduction)
+    if logits.dim() == 0 or tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"autosoft.cross_entropy: target {tuple(target.shape)} must have the shape of logits "
+                         f"{tuple(logits.shape)} without its last (vocabulary) dimension")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError("autosoft.cross_entropy: inplace_backward must be True or False")
+    if logits.numel() == 0:
+        raise ValueError(f"autosoft.cross_entropy: logits {tuple(logits.shape)} is empty")
+    _check_devices("autosoft.cross_entropy", {"logits": logits, "target": target})
+    eps, z = float(label_smoothing), float(z_loss)
+    if torch.compiler.is_compiling():  # one operator for the graph (the gradient never in place)
+        from . import _cross_entropy_op  # Dynamo imports it for real: its registration is not traced
+
+        per_row, lse, _ = _cross_entropy_op.cross_entropy(logits, target, ignore_index, eps, z)
+        loss = _reduced(torch, per_row, target, ignore_index, reduction)
+    elif logits.requires_grad and torch.is_grad_enabled():
+        loss, lse = _function_class(torch).apply(logits, target, ignore_index, eps, z, reduction, inplace_backward)
+    else:
+        x, t, copied = _prepared(torch, logits, target)
+        scale = _scale_of(torch, t, ignore_index, reduction)
+        loss, lse, _ = _forward(x, t, scale, ignore_index, eps, z, copied, loss_only=True)
+        loss = _reduced(torch, loss, t, ignore_index, reduction, scale).reshape(
+            target.shape if reduction == "none" else ())
+        lse = lse.reshape(target.shape)
+    return (loss, lse) if return_lse else loss
+
+
+# --- linear + cross-entropy, chunked over the tokens ---------------------------------------------
+
+def default_chunk(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk: as Liger's fused linear cross-entropy chooses, so that a chunk's logits
+    are about the size of the hidden states (the power of two at or above tokens / ceil(V / H)),
+    and the peak memory matches its; never more than the tokens. benchmarks/cross_entropy.py
+    --linear measures other sizes."""
+    return min(tokens, pow2_ceil(-(-tokens // -(-vocab // hidden))))
+
+
+def _linear_ce(torch: Any, hidden: Any, weight: Any, bias: Any, target: Any, ignore_index: int, eps: float,
+               z: float, reduction: str, chunk: int, need_grad: bool) -> tuple[Any, Any, Any, Any]:
+    """The loss and, with need_grad, the gradients of hidden, weight and bias (for an incoming 1),
+    one chunk of tokens at a time: logits = h W^T (+ b) by torch.matmul, our kernel writing their
+    gradient over them, then the gradient's products with W and h. Peak extra memory: one chunk's
+    logits (and the float32 loss and lse of the rows)."""
+    tokens = hidden.shape[0]
+    scale = _scale_of(torch, target, ignore_index, reduction)
+    losses = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_grad and hidden.requires_grad else None
+    grad_weight = torch.zeros_like(weight) if need_grad and weight.requires_grad else None
+    grad_bias = torch.zeros_like(bias) if need_grad and bias is not None and bias.requires_grad else None
+    for start in range(0, tokens, chunk):
+        end = min(tokens, start + chunk)
+        h = hidden[start:end]
+        logits = torch.matmul(h, weight.t())
+        if bias is not None:
+            logits += bias
+        x, t, _ = _prepared(torch, logits, target[start:end])
+        loss, _, grad = _forward(x, t, scale, ignore_index, eps, z, True, loss_only=not need_grad)
+        losses[start:end] = loss
+        if grad_hidden is not None:
+            torch.matmul(grad, weight, out=grad_hidden[start:end])
+        if grad_weight is not None:
+            grad_weight.addmm_(grad.t(), h)
+        if grad_bias is not None:
+            grad_bias.add_(grad.sum(dim=0))
+        del logits, x, grad  # before the next chunk's logits: one chunk's at a time
+    return _reduced(torch, losses, target, ignore_index, reduction, scale), grad_hidden, grad_weight, grad_bias
+
+
+def _linear_function_class(torch: Any) -> Any:
+    global _LinearFunction
+    if _LinearFunction is None:
+        class LinearCrossEntropyFunction(torch.autograd.Function):
+            """The loss forward, the gradients of hidden, weight and bias computed with it."""
+
+            @staticmethod
+            def forward(ctx: Any, hidden: Any, weight: Any, bias: Any, target: Any, ignore_index: int, eps: float,
+                        z: float, reduction: str, chunk: int) -> Any:
+                loss, gh, gw, gb = _linear_ce(torch, hidden, weight, bias, target, ignore_index, eps, z, reduction,
+                                              chunk, True)
+                ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (gh, gw, gb)))
+                ctx.present = (gh is not None, gw is not None, gb is not None)
+                return loss
+
+            @staticmethod
+            def backward(ctx: Any, grad_loss: Any) -> Any:
+                grads = [_scaled_(torch, g, grad_loss) if present else None
+                         for g, present in zip(ctx.saved_tensors, ctx.present)]
+                return (*grads, None, None, None, None, None, None)
+
+        _LinearFunction = LinearCrossEntropyFunction
+    return _LinearFunction
+
+
+_LinearFunction: Any = None
+
+
+def linear_cross_entropy(hidden: Any, weight: Any, target: Any, bias: Any = None, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean", *,
+                         chunk_size: int | None = None) -> Any:
+    """cross_entropy(hidden @ weight.T + bias, target, ...) without the whole logits: hidden (..., H)
+    and weight (V, H) CUDA torch tensors of one dtype (float32, float16, bfloat16), bias (V,) or
+    None, target (...) int64 or int32. The tokens go in chunks of chunk_size (default:
+    `default_chunk`: logits about the size of the hidden states): each chunk's logits come from
+    torch.matmul, the cross_entropy kernel writes their gradient over them, and two more matmuls
+    turn it into the gradients of hidden and weight, computed in the forward when they are needed
+    (the logits are never kept). reduction "mean" or "sum" (a per-row loss cannot be chunked
+    this way). Returns the float32 loss."""
+    who = "autosoft.linear_cross_entropy"
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{who}: hidden and weight must be CUDA torch tensors")
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{who}: hidden (..., H) and weight (V, H) do not fit: {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype or (bias is not None and getattr(bias, "dtype", None) != weight.dtype):
+        raise TypeError(f"{who}: hidden, weight (and bias) must share one dtype, got {hidden.dtype} and {weight.dtype}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"{who}: bias must be a tensor of shape ({weight.shape[0]},)")
+    if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{who}: target must be a tensor of shape {tuple(hidden.shape[:-1])} (hidden without H)")
+    _check_arguments(who, hidden, target, ignore_index, label_smoothing, z_loss, reduction, ("mean", "sum"), "hidden")
+    tokens = math.prod(hidden.shape[:-1])
+    if tokens == 0:
+        raise ValueError(f"{who}: hidden {tuple(hidden.shape)} has no tokens")
+    if chunk_size is None:
+        chunk = default_chunk(tokens, weight.shape[0], weight.shape[1])
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{who}: chunk_size must be a positive int, got {chunk_size!r}")
+    else:
+        chunk = min(chunk_size, tokens)
+    _check_devices(who, {"hidden": hidden, "weight": weight, "bias": bias, "target": target})
+    h = hidden.reshape(tokens, hidden.shape[-1])
+    t = target.reshape(tokens)
+    eps, z = float(label_smoothing), float(z_loss)
+    needs = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                         (bias is not None and bias.requires_grad))
+    if needs:
+        return _linear_function_class(torch).apply(h, weight, bias, t, ignore_index, eps, z, reduction, chunk)
+    with torch.no_grad():
+        return _linear_ce(torch, h, weight, bias, t, ignore_index, eps, z, reduction, chunk, False)[0]
