@@ -14,7 +14,7 @@ from autosoft.cache import Cache
 from autosoft.compile import compile_source
 from autosoft.export import standalone_source
 from autosoft.families import get_family
-from autosoft.families.base import Target, build_variant
+from autosoft.families.base import Target, build_variant, params_from_text
 
 from conftest import gpu_available
 from helpers import make_entry, nvcc_path, run_cli, softmax_key
@@ -200,22 +200,19 @@ HOST_VARIANTS = {
     "softmax_two_launches": (SOFTMAX, "32x131072", "float32", {"split": 4, "combine": "launches"}),
     "softmax_cooperative_grid": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "grid"}),
     "softmax_cluster_of_16": (SOFTMAX, "8x131072", "float32", {**_GRID, "combine": "cluster"}),
-    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {"engine": "mma", "overlap": False, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False,
-                                                                       "merge": "last_block", "pingpong": False, "block_m": 128,
+    "attention_past_48_kib": (ATTENTION, "1,32,8192,128", "bfloat16", {"engine": "mma", "splits": 1, "merge": "last_block", "block_m": 128,
                                                                        "block_n": 64, "warps": 4, "stages": 2}),
     "attention_tensor_maps": (ATTENTION, "1,32,8192,128", "bfloat16", {
-        "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": False, "queue": False, "chain": False, "merge": "last_block", "block_m": 128, "block_n": 128, "stages": 2,
-        "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
+        "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": False,
+        "queue": False, "chain": False, "block_m": 128, "block_n": 128, "stages": 2}),
     # the key splits of each query tile merged inside a cluster, no workspace
     "attention_split_cluster": (ATTENTION, "1,2,2048,128", "bfloat16", {
-        "engine": "mma", "overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False, "persistent": False,
-        "queue": False, "chain": False, "block_m": 64, "block_n": 64, "warps": 4, "stages": 2, "splits": 2, "merge": "cluster"}),
+        "engine": "mma", "block_m": 64, "block_n": 64, "warps": 4, "stages": 2, "splits": 2, "merge": "cluster"}),
     # persistent blocks taking tiles from a counter in the workspace, which the last block resets,
     # each tile's first S issued with the last P.V of the one before
     "attention_tensor_maps_queue": (ATTENTION, "1,32,8192,128", "bfloat16", {
         "engine": "wgmma", "overlap": True, "pingpong": True, "blocks_per_sm": 1, "lpt": False, "persistent": True,
-        "queue": True, "chain": True, "block_m": 128, "block_n": 128, "stages": 2,
-        "warps": 4, "key_warps": 1, "q_in": "smem", "layout": "swizzle", "pack": False, "splits": 1}),
+        "queue": True, "chain": True, "block_m": 128, "block_n": 128, "stages": 2}),
 }
 
 
@@ -235,7 +232,10 @@ def _host_variant(case: str, target: Target | None = None, shape: str | None = N
     shape = shape or default_shape
     target = target or Target.for_arch("90")
     problem = family.problem(shape, dtype)
-    return build_variant(family, problem, {**family.default_params(problem, target), **changes}, target)
+    # a case that names its engine starts from that engine's own default, whatever the target prefers
+    start = params_from_text(family, problem, target, [f"engine={changes['engine']}"])[0] if "engine" in changes \
+        else family.default_params(problem, target)
+    return build_variant(family, problem, {**start, **changes}, target)
 
 
 def _launcher(text: str) -> str:

@@ -346,7 +346,7 @@ def reference_routing(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> t
     if n_group > 1:
         order = xp.argsort(-group_scores(problem, keys, xp), axis=1, kind="stable")
         kept = xp.zeros((m, n_group), dtype=bool)
-        kept[xp.arange(m)[:, None], order[:, :int(problem.option("topk_group"))]] = True
+        kept[xp.arange(m)[:, None], order[:, :int(problem.option("topk_group", 1))]] = True
         keys = xp.where(xp.repeat(kept, e // n_group, axis=1), keys, -xp.inf)
     index = xp.argsort(-keys, axis=1, kind="stable")[:, :k]
     return index, _weights(problem, inputs, scores, index, xp)
@@ -387,7 +387,7 @@ def check_routing(problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[
     n_group = int(problem.option("n_group", 1))
     ambiguous = xp.zeros(m, dtype=bool)
     if n_group > 1:
-        topk_group = int(problem.option("topk_group"))
+        topk_group = int(problem.option("topk_group", 1))
         g = xp.sort(group_scores(problem, keys, xp), axis=1)[:, ::-1]
         g_tol = 2 * KEY_RTOL * (1.0 + xp.abs(g))
         last_kept = g[:, topk_group - 1:topk_group]
