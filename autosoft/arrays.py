@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .dispatch import DISPATCHER
-from .dtypes import CUPY_NAMES, TORCH_NAMES
+from .dtypes import CUPY_INPUT_NAMES, TORCH_INPUT_NAMES, TORCH_NAMES
 from .families import get_family
 from .families.base import Family, OptionValue, Problem
 
@@ -52,7 +52,8 @@ def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, Optio
             if len(arrays) == 1:
                 key = (name, opts, names, first.dtype, first.shape, first.get_device())
             else:
-                key = (name, opts, names, *[(a.dtype, a.shape, a.get_device()) for a in arrays])
+                key = (name, opts, names, *[None if a is None else (a.dtype, a.shape, a.get_device())
+                                            for a in arrays])  # None: an optional input not given
         except AttributeError:  # a later argument is no tensor: _prepare says so
             key = None
         plan = DISPATCHER.fast.get(key)
@@ -63,7 +64,7 @@ def call_family(name: str, arrays: Sequence[Any], *, options: Mapping[str, Optio
         return plan(arrays, values) if out is None else _into(who or f"autosoft.{name}", plan, arrays, values, out, torch)
     family = get_family(name)
     arrays = as_cupy(family, arrays, who)
-    key = (name, opts, names, *[(a.dtype, a.shape, a.data.device_id) for a in arrays])
+    key = (name, opts, names, *[None if a is None else (a.dtype, a.shape, a.data.device_id) for a in arrays])
     plan = DISPATCHER.fast.get(key)
     if plan is None:
         plan = DISPATCHER.fast[key] = _prepare(family, _CupyArrays(sys.modules["cupy"]), arrays, options or {},
@@ -127,7 +128,7 @@ def as_cupy(family: Family, arrays: Sequence[Any], who: str | None = None) -> li
     out = []
     for name, a in zip(names, arrays):
         type_name = f"{type(a).__module__}.{type(a).__name__}"
-        if type_name.startswith("cupy."):
+        if type_name.startswith("cupy.") or (a is None and name in family.optional_inputs):
             out.append(a)
             continue
         if type_name.startswith("numpy."):
@@ -187,17 +188,13 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     array_names = tuple(n for n in family.inputs if n not in scalar_names)
     if len(arrays) != len(array_names):
         raise TypeError(f"{who}: expected {len(array_names)} arrays ({', '.join(array_names)}), got {len(arrays)}")
-    fw.check(who, array_names, arrays)
-    dtype = fw.dtype(arrays[0])
-    if len({str(a.dtype) for a in arrays}) > 1:
-        raise TypeError(f"{who}: {', '.join(array_names)} must share one dtype, got "
-                        f"{', '.join(str(a.dtype) for a in arrays)}")
-    if dtype not in family.dtypes:
-        raise TypeError(f"{who}: unsupported dtype {arrays[0].dtype}; use {' or '.join(family.dtypes)}")
+    given = [(n, a) for n, a in zip(array_names, arrays) if a is not None or n not in family.optional_inputs]
+    fw.check(who, [n for n, _ in given], [a for _, a in given])
+    dtype = check_dtypes(who, family, [(n, str(a.dtype), fw.dtype(a)) for n, a in given])
     device = fw.device(arrays[0])
-    shapes = {n: tuple(int(s) for s in a.shape) for n, a in zip(array_names, arrays)}
+    shapes = {n: tuple(int(s) for s in a.shape) for n, a in given}
     outputs = family.caller_outputs(shapes, dtype, options)
-    if any(fw.size(a) == 0 for a in arrays):
+    if any(fw.size(a) == 0 for _, a in given):
         def empty(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
             outs = [fw.empty(shape, dt, device, 0) for shape, dt in outputs.values()]
             if given is not None:
@@ -212,6 +209,25 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names + stride_names,
                                                  scalar_names + stride_names)
     return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays), strided)
+
+
+def check_dtypes(who: str, family: Family, given: Sequence[tuple[str, str, str | None]]) -> str:
+    """The problem's dtype (the first input's) once every given input's dtype is what the family
+    takes: its own declared ones for the inputs in `input_dtypes`, else the problem's. given:
+    (input name, the framework's dtype as written, its autosoft name or None) per input array."""
+    declared = family.input_dtypes
+    shared = [(n, shown) for n, shown, _ in given if n not in declared]
+    if len({shown for _, shown in shared}) > 1:
+        raise TypeError(f"{who}: {', '.join(n for n, _ in shared)} must share one dtype, got "
+                        f"{', '.join(shown for _, shown in shared)}")
+    first, shown, dtype = given[0]
+    if dtype not in family.dtypes:
+        raise TypeError(f"{who}: unsupported dtype {shown}; use {' or '.join(family.dtypes)}")
+    for name, shown, own in given[1:]:
+        takes = declared.get(name)
+        if takes is not None and own not in takes:
+            raise TypeError(f"{who}: {name} must be {' or '.join(takes)}, got {shown}")
+    return dtype
 
 
 class _Framework:
@@ -241,8 +257,9 @@ class _Framework:
         check_out, copy_into = self.check_out, self.copy_into
 
         def plan(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
-            held = [fix_strided(a, align) if i in strided else fix(a, align) for i, a in enumerate(arrays)]
-            ptrs = [ptr(a) for a in held]
+            held = [a if a is None else fix_strided(a, align) if i in strided else fix(a, align)
+                    for i, a in enumerate(arrays)]
+            ptrs = [0 if a is None else ptr(a) for a in held]  # None: an optional input not given
             strides = [s for i in strided for s in strides_of(held[i])]
             outs = [empty(shape, dt, device, ptrs[0]) for shape, dt in specs]
             direct = given is not None and check_out(given, specs[0], device, ptrs[0])
@@ -340,6 +357,9 @@ class _TorchArrays(_Framework):
             ptrs = []
             strides = []
             for i, a in enumerate(arrays):
+                if a is None:  # an optional input not given: a null pointer
+                    ptrs.append(0)
+                    continue
                 if i in strided:
                     a = fix_strided(a, align)
                     strides += strides_of(a)
@@ -378,7 +398,7 @@ class _TorchArrays(_Framework):
             raise ValueError(f"{who}: {', '.join(names)} must be on one device")
 
     def dtype(self, a: Any) -> str | None:
-        return TORCH_NAMES.get(str(a.dtype))
+        return TORCH_INPUT_NAMES.get(str(a.dtype))
 
     def device(self, a: Any) -> int:
         return a.get_device()
@@ -432,7 +452,7 @@ class _CupyArrays(_Framework):
             raise ValueError(f"{who}: {', '.join(names)} must be on one device")
 
     def dtype(self, a: Any) -> str | None:
-        return CUPY_NAMES.get(str(a.dtype))
+        return CUPY_INPUT_NAMES.get(str(a.dtype))
 
     def device(self, a: Any) -> int:
         return a.data.device_id

@@ -24,9 +24,16 @@ _BITS_TYPE = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16,
 # What a kernel may write besides the element types it reads: int32 (a router's expert indices).
 OUTPUT_DTYPES: tuple[str, ...] = DTYPES + ("int32",)
 
+# What an input a family declares a dtype of its own for (Family.input_dtypes) may hold besides:
+# class indices (a loss's targets).
+INPUT_DTYPES: tuple[str, ...] = DTYPES + ("int64", "int32")
+
 # How each framework names the dtypes we take (str(dtype) of a torch tensor, of a CuPy array).
 TORCH_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 CUPY_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# The same for every input dtype (Family.input_dtypes): the problem's dtype is only ever a DTYPES one.
+TORCH_INPUT_NAMES = {**TORCH_NAMES, "torch.int64": "int64", "torch.int32": "int32"}
+CUPY_INPUT_NAMES = {**CUPY_NAMES, "int64": "int64", "int32": "int32"}
 
 
 def check_dtype(dtype: str, allowed: Sequence[str] = DTYPES, family: str = "") -> str:

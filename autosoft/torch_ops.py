@@ -55,10 +55,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import native
-from .arrays import call_family, not_on_gpu
+from .arrays import call_family, check_dtypes, not_on_gpu
 from .autograd import no_backward_error
 from .dispatch import DISPATCHER
-from .dtypes import TORCH_NAMES
+from .dtypes import OUTPUT_DTYPES, TORCH_INPUT_NAMES
 from .families import families, get_family
 from .families.base import OptionValue
 from .operators import OperatorCall, TorchOperator, declared_operators
@@ -111,7 +111,7 @@ def register() -> None:
             kernels[op.name] = _autograd_kernel(torch, op, overload, real)
             lib.impl(op.name, kernels[op.name], "Autograd", with_keyset=True)
             _overloads[op.name] = overload
-            _arguments[op.name] = tuple((a.name, isinstance(a.type, torch.TensorType), a.default_value)
+            _arguments[op.name] = tuple((a.name, _is_tensor(torch, a.type), a.default_value)
                                         for a in schema.arguments)
             _declared[op.name] = op
             OPS = tuple(_declared)
@@ -121,6 +121,13 @@ def register() -> None:
                     for op in new if op.name in native.OPS and op.plan_options is not None}
         if compiled:
             native.enable(compiled)
+
+
+def _is_tensor(torch: Any, kind: Any) -> bool:
+    """Whether a schema argument's type is Tensor or Tensor? (an optional input, None where not given)."""
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.TensorType)
 
 
 def declared(name: str) -> TorchOperator:
@@ -251,7 +258,7 @@ def _autograd_function(torch: Any, op: TorchOperator, overload: Any, real: Calla
     below autograd and saves what the formula reads (op.backward.saves: schema arguments and the
     family's outputs by name); backward calls the formula with torch.ops.autosoft."""
     assert op.backward is not None
-    arguments = [(a.name, isinstance(a.type, torch.TensorType)) for a in overload._schema.arguments]
+    arguments = [(a.name, _is_tensor(torch, a.type)) for a in overload._schema.arguments]
     outputs = get_family(op.family).outputs
     sources: list[tuple[str, bool, int, bool]] = []  # (name, from the outputs, index, a tensor)
     for name in op.backward.saves:
@@ -378,24 +385,21 @@ def _fake_outputs(name: str, who: str, arrays: Sequence[torch.Tensor],
     import torch
 
     family = get_family(name)
-    names = [n for n in family.inputs][:len(arrays)]
-    for n, a in zip(names, arrays):
+    given = [(n, a) for n, a in zip(family.inputs, arrays) if a is not None or n not in family.optional_inputs]
+    names = [n for n, _ in given]
+    for n, a in given:
         if a.device.type not in ("cuda", "meta"):
             raise not_on_gpu(who, n, a)
-    if len({a.device for a in arrays}) != 1:
+    if len({a.device for _, a in given}) != 1:
         raise ValueError(f"{who}: {', '.join(names)} must be on one device")
-    if len({str(a.dtype) for a in arrays}) > 1:
-        raise TypeError(f"{who}: {', '.join(names)} must share one dtype, got {', '.join(str(a.dtype) for a in arrays)}")
-    dtype = TORCH_NAMES.get(str(arrays[0].dtype))
-    if dtype not in family.dtypes:
-        raise TypeError(f"{who}: unsupported dtype {arrays[0].dtype}; use {' or '.join(family.dtypes)}")
+    dtype = check_dtypes(who, family, [(n, str(a.dtype), TORCH_INPUT_NAMES.get(str(a.dtype))) for n, a in given])
     checked: dict[str, OptionValue] = dict(options)
-    outputs = family.caller_outputs({n: tuple(a.shape) for n, a in zip(names, arrays)}, dtype, checked)
-    hinted = {n: tuple(_hint(s) for s in a.shape) for n, a in zip(names, arrays)}
+    outputs = family.caller_outputs({n: tuple(a.shape) for n, a in given}, dtype, checked)
+    hinted = {n: tuple(_hint(s) for s in a.shape) for n, a in given}
     if all(s is not None for shape in hinted.values() for s in shape) and \
             not any(0 in shape for shape in hinted.values()):
         family.problem_for(hinted, dtype, checked)  # type: ignore[arg-type]  # no Nones here
-    torch_dtypes = {v: getattr(torch, v) for v in TORCH_NAMES.values()}
+    torch_dtypes = {v: getattr(torch, v) for v in OUTPUT_DTYPES}
     first = arrays[0]
     return [first.new_empty(shape, dtype=torch_dtypes[dt]) for shape, dt in (outputs[o] for o in family.outputs)]
 

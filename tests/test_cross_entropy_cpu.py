@@ -443,27 +443,81 @@ def test_linear_cross_entropy_python_chunks_and_gradients(kernel_on_the_cpu, bia
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_torch_compile_traces_one_operator_with_its_backward(kernel_on_the_cpu, reduction):
+def test_torch_compile_fullgraph_traces_one_operator_with_its_backward(monkeypatch, reduction):
     """Under torch.compile (fullgraph: no graph break) autosoft.cross_entropy is the operator
-    torch.ops.autosoft_ce.cross_entropy, whose backward AOTAutograd traces."""
+    torch.ops.autosoft.cross_entropy, whose declared backward AOTAutograd traces (meta tensors:
+    the fake implementation gives the shapes and dtypes; no kernel runs)."""
     torch = pytest.importorskip("torch")
     import autosoft
+    import autosoft.torch_ops as torch_ops
 
-    gen = torch.Generator().manual_seed(9)
-    logits = torch.randn(2, 6, 50, generator=gen).requires_grad_()
-    target = torch.randint(0, 50, (2, 6), generator=gen)
-    target[1, 2] = -100
-    weight = torch.rand(2, 6, generator=gen) if reduction == "none" else torch.tensor(1.5)
+    def refuse(*args, **kwargs):
+        raise AssertionError("a real implementation ran while tracing")
+    monkeypatch.setattr(torch_ops, "call_family", refuse)
+    graphs = []
 
-    def step(x, t):
-        return (autosoft.cross_entropy(x, t, label_smoothing=0.1, z_loss=1e-3, reduction=reduction) * weight).sum()
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(logits, target).backward()
-    expected, x = _composition(torch, logits, target, -100, 0.1, 1e-3, reduction)
-    (expected * weight.double()).sum().backward()
-    torch.testing.assert_close(logits.grad.double(), x.grad, rtol=1e-6, atol=1e-7)
-    assert kernel_on_the_cpu, "the operator ran the (stand-in) kernel"
+    torch._dynamo.reset()
+    logits = torch.empty(2, 6, 50, device="meta", dtype=torch.bfloat16).requires_grad_()
+    target = torch.empty(2, 6, device="meta", dtype=torch.int32)
+    compiled = torch.compile(lambda x, t: autosoft.cross_entropy(x, t, label_smoothing=0.1, reduction=reduction),
+                             backend=backend, fullgraph=True)
+    loss = compiled(logits, target)
+    assert (loss.shape, loss.dtype) == ((2, 6) if reduction == "none" else (), torch.float32)
+    loss.sum().backward()
+    assert (logits.grad.shape, logits.grad.dtype) == ((2, 6, 50), torch.bfloat16)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if "autosoft" in str(n.target)]
+    assert targets == ["autosoft.cross_entropy"]  # the operator Dynamo saw called
+    torch._dynamo.reset()
+
+
+def test_the_operators_declared_backward_weights_each_rows_gradient(monkeypatch):
+    """torch.ops.autosoft.cross_entropy's autograd: the kernel's gradient (scale times each row's)
+    times the incoming gradient of each row's loss over the scale; lse carries none. The kernel is
+    `reference` in float64 behind the array layer (CPU tensors)."""
+    torch = pytest.importorskip("torch")
+    import autosoft.torch_ops as torch_ops
+
+    def kernel(name, arrays, options=None, scalars=None, who=None):
+        assert name == "cross_entropy" and options == {"int32_target": True}
+        x, t, scale = arrays
+        loss, lse, grad = reference(x.detach().double().reshape(-1, x.shape[-1]).numpy(), t.reshape(-1).long().numpy(),
+                                    int(scalars["ignore_index"]), float(scalars["label_smoothing"]),
+                                    float(scalars["z_loss"]), float(scale[0]))
+        return (torch.from_numpy(loss).float().reshape(t.shape), torch.from_numpy(lse).float().reshape(t.shape),
+                torch.from_numpy(grad).to(x.dtype).reshape(x.shape))
+    monkeypatch.setattr(torch_ops, "call_family", kernel)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 4, 17, generator=gen, dtype=torch.float64).requires_grad_()
+    target = torch.randint(0, 17, (3, 4), generator=gen, dtype=torch.int32)
+    target[0, 1] = -100
+    weight = torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    loss, lse, grad = torch.ops.autosoft.cross_entropy(logits, target, torch.tensor([0.25]), -100, 0.1, 1e-3)
+    assert loss.grad_fn is not None and "cross_entropy" in type(loss.grad_fn).__name__
+    (loss * weight).sum().backward()
+    expected, x = _composition(torch, logits, target, -100, 0.1, 1e-3, "none")
+    (expected * weight).sum().backward()
+    torch.testing.assert_close(logits.grad, x.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_a_target_of_another_dtype_is_a_one_line_type_error_naming_it():
+    torch = pytest.importorskip("torch")
+    import autosoft
+    import autosoft.torch_ops  # noqa: F401 - registers the operators
+
+    logits, scale = torch.empty(4, 10, device="meta"), torch.empty(1, device="meta")
+    for target in (torch.empty(4, device="meta"), torch.empty(4, device="meta", dtype=torch.int16)):
+        with pytest.raises(TypeError, match=rf"^autosoft\.cross_entropy: target must be int64 or int32, got "
+                                            rf"{re.escape(str(target.dtype))}$"):
+            torch.ops.autosoft.cross_entropy(logits, target, scale, -100, 0.0, 0.0)
+        with pytest.raises(TypeError, match=r"^autosoft\.cross_entropy: target must hold int64 or int32"):
+            autosoft.cross_entropy(logits, target)
+    with pytest.raises(TypeError, match=r"^autosoft\.cross_entropy: scale must be float32, got torch\.float64$"):
+        torch.ops.autosoft.cross_entropy(logits, torch.empty(4, device="meta", dtype=torch.int64),
+                                         scale.double(), -100, 0.0, 0.0)
 
 
 def test_every_row_ignored_gives_a_nan_mean_and_zero_gradients(kernel_on_the_cpu):

@@ -341,3 +341,5 @@ def test_torch_compile_runs_the_operator_and_its_backward(cache_dir):
     expected, expected_grad = _torch_reference(torch, logits, target, -100, 0.1, 0.0, "mean")
     _assert_close(torch, loss, expected, 1e-5, 1e-6, "loss")
     _assert_close(torch, logits.grad, expected_grad, GRAD_RTOL["bfloat16"], 1e-7, "grad")
+    loss32 = step(logits, target.int())  # int32 targets: another plan of the same operator
+    _assert_close(torch, loss32, expected, 1e-5, 1e-6, "loss (int32 targets)")

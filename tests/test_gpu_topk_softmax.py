@@ -119,8 +119,14 @@ def test_the_torch_function_runs_deepseek_v3_routing():
     assert same.float().mean() > 0.999, "all but fp32 near-ties choose as torch does"
     w = scores.gather(1, indices.long())
     torch.testing.assert_close(weights.double(), 2.5 * w / w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="float vector of the 256 experts"):
+    with pytest.raises(ValueError, match="bias must be a vector of the 256 experts"):
         autosoft.topk_softmax(x, 8, n_group=8, topk_group=4, bias=bias[:255])
+    with pytest.raises(TypeError, match=r"^autosoft\.topk_softmax: bias must be float32, got torch\.bfloat16$"):
+        autosoft.topk_softmax(x, 8, n_group=8, topk_group=4, bias=bias.bfloat16())
+    compiled = torch.compile(lambda x, b: autosoft.topk_softmax(x, 8, n_group=8, topk_group=4, scoring="sigmoid",
+                                                                bias=b, routed_scaling_factor=2.5), fullgraph=True)
+    traced_w, traced_i = compiled(x, bias)
+    assert torch.equal(traced_i, indices) and torch.equal(traced_w, weights), "the operator runs the same kernel"
     with pytest.raises(RuntimeError, match="no backward"):
         autosoft.topk_softmax(x.float().requires_grad_(), 8)
     empty_w, empty_i = autosoft.topk_softmax(x[:0], 8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import autosoft
 from autosoft.compile import compile_source
 from autosoft.errors import UserError
 from autosoft.families import get_family
@@ -65,9 +66,8 @@ def test_problem_for_flattens_tokens_and_shapes_the_outputs():
 def test_the_python_function_checks_its_arguments_before_any_kernel():
     logits = np.zeros((4, 64), dtype=np.float32)
     call = FAMILY.python_call(logits, 2)
-    assert call.options == {"k": 2, "renormalize": True, "n_group": 1, "topk_group": 1, "sigmoid": False,
-                            "bias": False}
-    assert call.scalars["bias"] == 0 and call.scalars["scale"] == np.float32(1.0)
+    assert call.options == {"k": 2, "renormalize": True, "n_group": 1, "topk_group": 1, "sigmoid": False}
+    assert call.arrays[1] is None and call.scalars == {"scale": np.float32(1.0)}
     assert call.returns == ("weights", "indices")
     grouped = FAMILY.python_call(logits, 8, n_group=8, topk_group=4, scoring="sigmoid", routed_scaling_factor=2.5)
     assert grouped.options["sigmoid"] and grouped.options["n_group"] == 8
@@ -82,23 +82,87 @@ def test_the_python_function_checks_its_arguments_before_any_kernel():
         FAMILY.python_call(logits, 2, n_group=8)
     with pytest.raises(ValueError, match="routed_scaling_factor must be finite"):
         FAMILY.python_call(logits, 2, routed_scaling_factor=float("nan"))
-    with pytest.raises(TypeError, match="bias must be a CuPy array"):
-        FAMILY.python_call(logits, 2, bias=np.zeros(64, dtype=np.float32))
 
 
-def test_a_torch_bias_is_checked_against_the_logits():
+def test_the_bias_is_an_input_that_sets_the_bias_option():
+    """Given, the bias is the kernel's second array (the option `bias` follows it, whatever the
+    options say); absent, a null pointer and no bias."""
+    assert FAMILY.problem_for({"logits": (4, 64), "bias": (64,)}, "float32", {"k": 2}).option("bias")
+    assert not FAMILY.problem_for({"logits": (4, 64)}, "float32", {"k": 2, "bias": True}).option("bias")
+    with pytest.raises(ValueError, match="bias must be a vector of the 64 experts, got shape \\(63,\\)"):
+        FAMILY.problem_for({"logits": (4, 64), "bias": (63,)}, "float32", {"k": 2})
+
+
+class _CupyLike:
+    """Taken for a CuPy array by the array layer's classification (its module's name)."""
+
+
+_CupyLike.__module__ = "cupy._core.core"
+
+
+def test_a_host_bias_is_refused_and_an_absent_one_passes_the_array_layer():
+    from autosoft.arrays import as_cupy
+
+    logits = _CupyLike()
+    with pytest.raises(TypeError, match="bias is a host \\(NumPy\\) array"):
+        as_cupy(FAMILY, [logits, np.zeros(64, dtype=np.float32)])
+    assert as_cupy(FAMILY, [logits, None]) == [logits, None]  # an optional input not given
+
+
+def test_a_torch_bias_of_another_dtype_or_shape_is_a_one_line_error():
     torch = pytest.importorskip("torch")
-    logits = torch.zeros(4, 64)
-    with pytest.raises(ValueError, match="float vector of the 64 experts"):
-        FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=torch.zeros(63))
-    with pytest.raises(ValueError, match="float vector of the 64 experts"):
-        FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=torch.zeros(64, dtype=torch.int32))
-    with pytest.raises(TypeError, match="bias must be a torch tensor"):
-        FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=np.zeros(64, dtype=np.float32))
+    import autosoft.torch_ops  # noqa: F401 - registers the operators
+
+    logits = torch.empty(4, 64, device="meta")
+    for bias, error, message in ((torch.empty(64, device="meta", dtype=torch.float16), TypeError,
+                                  r"^autosoft\.topk_softmax: bias must be float32, got torch\.float16$"),
+                                 (torch.empty(64, device="meta", dtype=torch.int32), TypeError,
+                                  r"^autosoft\.topk_softmax: bias must be float32, got torch\.int32$"),
+                                 (torch.empty(63, device="meta"), ValueError, r"bias must be a vector of the 64"),
+                                 (torch.empty(64), TypeError, r"bias is a CPU tensor")):
+        with pytest.raises(error, match=message):
+            torch.ops.autosoft.topk_softmax(logits, bias, 1.0, 2, True, 8, 2, False)
     with pytest.raises(RuntimeError, match="no backward"):
-        FAMILY.python_call(torch.zeros(4, 64, requires_grad=True), 2)
-    call = FAMILY.python_call(logits, 2, n_group=8, topk_group=2, bias=torch.zeros(64))
-    assert call.options["bias"] and call.scalars["bias"] != 0
+        autosoft.topk_softmax(torch.empty(4, 64, device="meta", requires_grad=True), 2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_operator_gives_float32_weights_and_int32_indices(bias):
+    torch = pytest.importorskip("torch")
+    import autosoft.torch_ops  # noqa: F401 - registers the operators
+
+    logits = torch.empty(2, 3, 64, device="meta", dtype=torch.bfloat16)
+    weights, indices = torch.ops.autosoft.topk_softmax(logits, torch.empty(64, device="meta") if bias else None,
+                                                       2.5, 6, True, 8, 4, True)
+    assert (weights.shape, weights.dtype, indices.shape, indices.dtype) == \
+        ((2, 3, 6), torch.float32, (2, 3, 6), torch.int32)
+
+
+def test_torch_compile_fullgraph_traces_the_router_as_its_operator(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import autosoft.torch_ops as torch_ops
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a real implementation ran while tracing")
+    monkeypatch.setattr(torch_ops, "call_family", refuse)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, b: autosoft.topk_softmax(x, 8, n_group=8, topk_group=4, scoring="sigmoid",
+                                                                bias=b, routed_scaling_factor=2.5),
+                             backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        weights, indices = compiled(torch.empty(5, 256, device="cuda", dtype=torch.bfloat16),
+                                    torch.empty(256, device="cuda"))
+        assert (weights.shape, weights.dtype, indices.dtype) == ((5, 8), torch.float32, torch.int32)
+    (node,) = [n for n in graphs[0].graph.nodes if "autosoft" in str(n.target)]
+    assert str(node.target) == "autosoft.topk_softmax.default" and node.args[2:] == (2.5, 8, True, 8, 4, True)
+    torch._dynamo.reset()
 
 
 # --- the search space ------------------------------------------------------------------------------

@@ -56,7 +56,11 @@ def test_the_operators_are_registered_with_their_schemas():
         "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
                      "int? window_left=None, int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
         "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
-                            "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)"}
+                            "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)",
+        "cross_entropy": "autosoft::cross_entropy(Tensor logits, Tensor target, Tensor scale, int ignore_index, "
+                         "float label_smoothing, float z_loss) -> (Tensor loss, Tensor lse, Tensor grad)",
+        "topk_softmax": "autosoft::topk_softmax(Tensor logits, Tensor? bias, float scale, int k, bool renormalize, "
+                        "int n_group, int topk_group, bool sigmoid) -> (Tensor, Tensor)"}
     for name in torch_ops.OPS:  # tagged as safe for torch.compile; none mutates its inputs
         overload = getattr(ops, name).default
         assert torch.Tag.pt2_compliant_tag in overload.tags
@@ -490,7 +494,10 @@ def test_opcheck_on_meta_tensors(name):
     meta = torch.empty(2, 3, 16, 64, device="meta", dtype=F16)
     rows = torch.empty(7, 33, device="meta")
     args = {"softmax": (rows, -1), "log_softmax": (meta, 0), "softmax_backward": (rows, rows, -1, True),
-            "attention": (meta, meta, meta, True, 0.125), "attention_colsum": (meta, meta, meta, 5, True, 0.125, False)}[name]
+            "attention": (meta, meta, meta, True, 0.125), "attention_colsum": (meta, meta, meta, 5, True, 0.125, False),
+            "topk_softmax": (rows, torch.empty(33, device="meta"), 1.0, 3, True, 3, 2, True),
+            "cross_entropy": (rows, torch.empty(7, device="meta", dtype=torch.int64), torch.empty(1, device="meta"),
+                              -100, 0.1, 0.0)}[name]
     results = torch.library.opcheck(getattr(ops, name).default, args)
     assert set(results.values()) == {"SUCCESS"}, results
 

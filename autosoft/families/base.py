@@ -247,7 +247,15 @@ class Family(abc.ABC):
     "<input>_stride<i>" (i = 0 .. ndim - 2), which a Launch lists among its args. Every stride
     and the address must be multiples of `input_alignment` bytes (else the call layer copies)."""
     dtypes: ClassVar[tuple[str, ...]] = DTYPES
-    """The element types it takes (names from autosoft.dtypes.DTYPES)."""
+    """The element types it takes (names from autosoft.dtypes.DTYPES): the problem's dtype, that of
+    its first input and of every input not in `input_dtypes`."""
+    input_dtypes: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    """The inputs whose dtype is their own, not the problem's, with the dtypes each takes (names
+    from autosoft.dtypes.INPUT_DTYPES), e.g. {"target": ("int64", "int32")}: the array layer
+    checks each against its declaration; the plans are kept per dtype of every input."""
+    optional_inputs: ClassVar[tuple[str, ...]] = ()
+    """Inputs a call may give as None (a DeepSeek router's bias): the kernels get a null pointer,
+    and the family's problem options say whether the input is given."""
     default_dtype: ClassVar[str] = "float32"
     """The --dtype used when none is given; one of `dtypes`."""
     options: ClassVar[tuple[ProblemOption, ...]] = ()

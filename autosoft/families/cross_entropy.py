@@ -31,6 +31,7 @@ from ..errors import UserError
 from ..space import ParamValue
 from . import register
 from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor, worst_mismatch
+from ..operators import Backward, OperatorCall, TorchOperator
 from .base import Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
 __all__ = ["CrossEntropyFamily", "CROSS_ENTROPY", "cross_entropy", "linear_cross_entropy", "reference"]
@@ -53,6 +54,7 @@ class CrossEntropyFamily(RowsFamily):
     name = "cross_entropy"
     template = "cross_entropy/cross_entropy.cu.j2"
     inputs = ("logits", "target", "scale", *SCALARS)
+    input_dtypes = {"target": ("int64", "int32"), "scale": ("float32",)}  # the option int32_target says which
     outputs = ("loss", "lse", "grad")
     options = (ProblemOption("int32_target", "targets are int32 (default: int64, as torch's)"),
                ProblemOption("inplace", "kernels that may write the gradient over the logits (coherent loads)"),
@@ -82,6 +84,8 @@ class CrossEntropyFamily(RowsFamily):
         if target != logits[:-1]:
             raise ValueError(f"autosoft.cross_entropy: target {target} must have the shape of logits {logits} "
                              "without its last (vocabulary) dimension")
+        if "scale" in shapes and tuple(shapes["scale"]) != (1,):
+            raise ValueError(f"autosoft.cross_entropy: scale must hold one float32, got shape {tuple(shapes['scale'])}")
         return super(RowsFamily, self).problem_for({"logits": (math.prod(logits[:-1]), logits[-1])}, dtype, options)
 
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
@@ -355,9 +359,12 @@ def _check_arguments(who: str, logits: Any, target: Any, ignore_index: Any, labe
 
 def _check_devices(who: str, named: Mapping[str, Any]) -> None:
     """TypeError for a CPU tensor, ValueError for tensors on several GPUs: checked last, so that
-    every other error shows on the CPU too."""
+    every other error shows on the CPU too. While torch.compile traces, meta tensors pass (the
+    operator's fake implementation takes them, for shape inference)."""
+    torch = sys.modules["torch"]
+    meta = ("meta",) if torch.compiler.is_compiling() else ()
     for name, tensor in named.items():
-        if tensor is not None and not tensor.is_cuda:
+        if tensor is not None and not tensor.is_cuda and tensor.device.type not in meta:
             raise TypeError(f"{who}: {name} is a CPU tensor; move it to the GPU first ({name}.cuda())")
     devices = {tensor.device for tensor in named.values() if tensor is not None}
     if len(devices) > 1:
@@ -524,8 +531,8 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
     memory is reused, and their values are gone after the call. Called without gradients
     (no requires_grad, or under torch.no_grad()), the gradient is computed and dropped.
     A target outside [0, V) that is not ignore_index gives a NaN loss (torch raises).
-    While torch.compile traces, it is the operator torch.ops.autosoft_ce.cross_entropy
-    (autosoft/families/_cross_entropy_op.py)."""
+    While torch.compile traces, it is the operator torch.ops.autosoft.cross_entropy (declared
+    below), its gradient never in place, lse not differentiated."""
     torch = _check_arguments("autosoft.cross_entropy", logits, target, ignore_index, label_smoothing, z_loss,
                              reduction)
     if logits.dim() == 0 or tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -538,9 +545,10 @@ def cross_entropy(logits: Any, target: Any, ignore_index: int = -100, label_smoo
     _check_devices("autosoft.cross_entropy", {"logits": logits, "target": target})
     eps, z = float(label_smoothing), float(z_loss)
     if torch.compiler.is_compiling():  # one operator for the graph (the gradient never in place)
-        from . import _cross_entropy_op  # Dynamo imports it for real: its registration is not traced
+        from .. import torch_ops  # noqa: F401 - registers the operators; Dynamo imports it for real
 
-        per_row, lse, _ = _cross_entropy_op.cross_entropy(logits, target, ignore_index, eps, z)
+        ones = torch.ones(1, dtype=torch.float32, device=logits.device)  # the scale: each row's own gradient
+        per_row, lse, _ = torch.ops.autosoft.cross_entropy(logits, target, ones, ignore_index, eps, z)
         loss = _reduced(torch, per_row, target, ignore_index, reduction)
     elif logits.requires_grad and torch.is_grad_enabled():
         loss, lse = _function_class(torch).apply(logits, target, ignore_index, eps, z, reduction, inplace_backward)
@@ -667,3 +675,32 @@ def linear_cross_entropy(hidden: Any, weight: Any, target: Any, bias: Any = None
         return _linear_function_class(torch).apply(h, weight, bias, t, ignore_index, eps, z, reduction, chunk)
     with torch.no_grad():
         return _linear_ce(torch, h, weight, bias, t, ignore_index, eps, z, reduction, chunk, False)[0]
+
+
+# --- the torch operator: torch.ops.autosoft.cross_entropy ----------------------------------------
+
+def _operator_call(logits: Any, target: Any, scale: Any, ignore_index: int, label_smoothing: float,
+                   z_loss: float) -> OperatorCall:
+    """The operator's arguments as the family's call: the target's dtype sets int32_target."""
+    options: dict[str, OptionValue] = {"int32_target": True} if str(target.dtype) == "torch.int32" else {}
+    return OperatorCall((logits, target, scale), options,
+                        {"ignore_index": np.int64(ignore_index), "label_smoothing": np.float32(label_smoothing),
+                         "z_loss": np.float32(z_loss)})
+
+
+def _logits_gradient(ops: Any, saved: Mapping[str, Any], grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """d/d logits of the per-row losses weighted by their incoming gradient: the kernel's grad is
+    scale times each row's own, so the weight is divided by the scale (a row's lse gets none)."""
+    grad_loss, grad = grads[0], saved["grad"]
+    if grad_loss is None:
+        return None, None, None, None, None, None
+    weight = grad_loss.unsqueeze(-1) / saved["scale"]
+    return grad * weight.to(grad.dtype), None, None, None, None, None
+
+
+CrossEntropyFamily.torch_operators = (
+    TorchOperator("cross_entropy", "cross_entropy",
+                  "(Tensor logits, Tensor target, Tensor scale, int ignore_index, float label_smoothing, "
+                  "float z_loss) -> (Tensor loss, Tensor lse, Tensor grad)", _operator_call,
+                  backward=Backward(("grad", "scale"), _logits_gradient)),
+)

@@ -24,7 +24,6 @@ would gather softmax(x) at the indices in torch).
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -34,6 +33,7 @@ from ..errors import UserError
 from ..space import ParamValue
 from . import register
 from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
+from ..operators import OperatorCall, TorchOperator
 from .base import Call, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
 MAX_EXPERTS = 2048  # 32 threads x 64 experts held in registers
@@ -51,7 +51,9 @@ class TopkSoftmaxFamily(RowsFamily):
     """weights, indices = the K best experts of each token's logits (M, E), plain or grouped."""
     name = "topk_softmax"
     template = "topk_softmax/topk_softmax.cu.j2"
-    inputs = ("logits", "bias", "scale")  # bias: a device address (0: none); scale: routed_scaling_factor
+    inputs = ("logits", "bias", "scale")  # bias: (E,) float32 or None; scale: routed_scaling_factor
+    input_dtypes = {"bias": ("float32",)}
+    optional_inputs = ("bias",)  # given or not, the problem's option `bias` says (problem_for sets it)
     outputs = ("weights", "indices")
     input_kinds = ("normal", "normal_x10", "ties", "neg_inf")
     input_alignment = 16  # rows start on vector boundaries (E % vec == 0)
@@ -62,7 +64,8 @@ class TopkSoftmaxFamily(RowsFamily):
         ProblemOption("n_group", "groups of experts (grouped form; E a multiple of it)", kind="int", default=1),
         ProblemOption("topk_group", "groups kept before the top k (grouped form)", kind="int", default=1),
         ProblemOption("sigmoid", "scores are sigmoid(x) rather than softmax(x)"),
-        ProblemOption("bias", "a float32 bias of E added to the scores for selection (e_score_correction_bias)"),
+        ProblemOption("bias", "a float32 bias of E added to the scores for selection (e_score_correction_bias); "
+                              "a call sets it where it gives the bias input"),
     )
     examples = (("1x8", "float32", {"k": 1}),
                 ("1x8", "float32", {"k": 8, "renormalize": True}),
@@ -91,13 +94,18 @@ class TopkSoftmaxFamily(RowsFamily):
 
     def problem_for(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                     options: Mapping[str, OptionValue]) -> Problem:
-        """Tokens are everything but the last dimension of the logits: (B, T, E) is (B*T)xE."""
+        """Tokens are everything but the last dimension of the logits: (B, T, E) is (B*T)xE. The
+        option `bias` is whether the bias input is given (shapes holds it): (E,)."""
         shape = tuple(shapes["logits"])
         if len(shape) == 0:
             raise ValueError(f"autosoft.{self.name}: router_logits is a scalar; it needs a dimension of experts")
+        bias = shapes.get("bias")
+        if bias is not None and tuple(bias) != (shape[-1],):
+            raise ValueError(f"autosoft.{self.name}: bias must be a vector of the {shape[-1]} experts, got shape "
+                             f"{tuple(bias)}")
         try:
             problem = Problem(self.name, dtype, self.check_shape((math.prod(shape[:-1]), shape[-1])),
-                              self.check_options(options))
+                              self.check_options({**options, "bias": bias is not None}))
             self._check_routing(problem)
         except UserError as exc:
             raise ValueError(f"autosoft.{self.name}: {exc}") from None
@@ -154,14 +162,9 @@ class TopkSoftmaxFamily(RowsFamily):
         logits themselves, so it chooses as torch.topk(logits, k) does with ties to the lower
         index. It has no backward: tensors that require gradients while autograd records raise
         RuntimeError (call it under torch.no_grad()). Bad arguments raise TypeError or ValueError
-        before any kernel runs."""
-        from ..autograd import no_backward_error
-
+        before any kernel runs (a bias of another dtype than float32: TypeError). While
+        torch.compile traces, it is the operator torch.ops.autosoft.topk_softmax."""
         who = f"autosoft.{self.name}"
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(router_logits, torch.Tensor) and router_logits.requires_grad \
-                and torch.is_grad_enabled():
-            raise no_backward_error(self.name, instead="softmax and topk")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
             raise TypeError(f"{who}: k must be an int, got {type(k).__name__}")
         if scoring not in ("softmax", "sigmoid"):
@@ -174,12 +177,10 @@ class TopkSoftmaxFamily(RowsFamily):
         scale = float(routed_scaling_factor)
         if not math.isfinite(scale):
             raise ValueError(f"{who}: routed_scaling_factor must be finite, got {routed_scaling_factor}")
-        experts = int(router_logits.shape[-1]) if getattr(router_logits, "shape", None) else 0
         options: dict[str, OptionValue] = {"k": int(k), "renormalize": bool(renormalize),
                                            "n_group": int(n_group or 1), "topk_group": int(topk_group or 1),
-                                           "sigmoid": scoring == "sigmoid", "bias": bias is not None}
-        address = 0 if bias is None else _bias_address(who, bias, router_logits, experts)
-        return Call((router_logits,), options, {"bias": address, "scale": np.float32(scale)}, ("weights", "indices"))
+                                           "sigmoid": scoring == "sigmoid"}
+        return Call((router_logits, bias), options, {"scale": np.float32(scale)}, ("weights", "indices"))
 
     # --- variants ----------------------------------------------------------------------------
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
@@ -281,32 +282,6 @@ class TopkSoftmaxFamily(RowsFamily):
 
     def check(self, problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[str, Any], xp: Any) -> str | None:
         return check_routing(problem, inputs, outputs, xp)
-
-
-def _bias_address(who: str, bias: Any, logits: Any, experts: int) -> int:
-    """The device address of the bias, checked: a float32 array of E on the logits' device, of the
-    logits' framework. A bias of another float dtype or layout is converted (a stream-ordered
-    temporary: freed after the launch is queued, reused only by work queued after it)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(logits, torch.Tensor):
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"{who}: bias must be a torch tensor like router_logits, not {type(bias).__name__}")
-        if bias.device != logits.device:
-            raise ValueError(f"{who}: bias is on {bias.device}, router_logits on {logits.device}")
-        if tuple(bias.shape) != (experts,) or not bias.is_floating_point():
-            raise ValueError(f"{who}: bias must be a float vector of the {experts} experts, got "
-                             f"{bias.dtype} {tuple(bias.shape)}")
-        return bias.to(torch.float32).contiguous().data_ptr()
-    if not type(bias).__module__.startswith("cupy"):
-        raise TypeError(f"{who}: bias must be a CuPy array like router_logits, not {type(bias).__name__}")
-    if tuple(bias.shape) != (experts,) or bias.dtype.kind != "f":
-        raise ValueError(f"{who}: bias must be a float vector of the {experts} experts, got "
-                         f"{bias.dtype} {tuple(bias.shape)}")
-    import cupy
-
-    if bias.data.device_id != logits.data.device_id:
-        raise ValueError(f"{who}: bias is on device {bias.data.device_id}, router_logits on {logits.data.device_id}")
-    return int(cupy.ascontiguousarray(bias, dtype=np.float32).data.ptr)
 
 
 def reference_scores(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any, Any, Any]:
@@ -424,5 +399,20 @@ def check_routing(problem: Problem, inputs: Mapping[str, Any], outputs: Mapping[
 
 
 __all__ = ["TOPK_SOFTMAX", "TopkSoftmaxFamily", "check_routing", "reference_routing", "reference_scores"]
+
+
+def _routing(logits: Any, bias: Any, scale: float, k: int, renormalize: bool, n_group: int, topk_group: int,
+             sigmoid: bool) -> OperatorCall:
+    """torch.ops.autosoft.topk_softmax's arguments as the family's call (the bias: None or (E,))."""
+    options: dict[str, OptionValue] = {"k": k, "renormalize": renormalize, "n_group": n_group,
+                                       "topk_group": topk_group, "sigmoid": sigmoid}
+    return OperatorCall((logits, bias), options, {"scale": np.float32(scale)})
+
+
+TopkSoftmaxFamily.torch_operators = (
+    TorchOperator("topk_softmax", "topk_softmax",
+                  "(Tensor logits, Tensor? bias, float scale, int k, bool renormalize, int n_group, int topk_group, "
+                  "bool sigmoid) -> (Tensor, Tensor)", _routing, instead="softmax and topk"),
+)
 
 TOPK_SOFTMAX = register(TopkSoftmaxFamily())
