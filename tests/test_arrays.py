@@ -113,12 +113,12 @@ BAD_WINDOWS_AND_CAPS = [
      r"^autosoft\.attention: window's left side must be >= 0 \(a number of keys\), got -1$"),
     ({"window": (0, np.int64(-3))}, ValueError, r"window's right side must be >= 0 .*got -3$"),
     ({"softcap": 0}, ValueError,
-     r"^autosoft\.attention: softcap must be None or a positive finite number, got 0\.0$"),
-    ({"softcap": -30.0}, ValueError, r"softcap must be None or a positive finite number, got -30\.0$"),
-    ({"softcap": float("inf")}, ValueError, r"softcap must be .* finite number, got inf$"),
-    ({"softcap": float("nan")}, ValueError, r"softcap must be .* finite number, got nan$"),
-    ({"softcap": True}, TypeError, r"softcap must be None or a positive finite number, got bool$"),
-    ({"softcap": "30"}, TypeError, r"softcap must be None or a positive finite number, got str$"),
+     r"^autosoft\.attention: softcap must be None or a positive finite number.*, got 0\.0$"),
+    ({"softcap": -30.0}, ValueError, r"softcap must be None or a positive finite number.*, got -30\.0$"),
+    ({"softcap": float("inf")}, ValueError, r"softcap must be .* finite number.*, got inf$"),
+    ({"softcap": float("nan")}, ValueError, r"softcap must be .* finite number.*, got nan$"),
+    ({"softcap": True}, TypeError, r"softcap must be None or a positive finite number.*, got bool$"),
+    ({"softcap": "30"}, TypeError, r"softcap must be None or a positive finite number.*, got str$"),
 ]
 
 
