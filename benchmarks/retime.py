@@ -98,36 +98,38 @@ def run(rows: list, cubins: Path, reps: int, check: bool = True) -> list[dict[st
 
 
 def compare(sides: list[str]) -> int:
-    """sides: two comma-separated lists of result files (rounds of the old tree, rounds of the new)."""
+    """sides: two comma-separated lists of result files (rounds of the old tree, rounds of the new).
+    Rows match by family, problem, dtype and variant name: a refactor may spell a point's params
+    differently (an engine's point holds only its own), never its name."""
     times: list[dict[str, list[float]]] = []
     shas: list[dict[str, str]] = []
-    names: dict[str, str] = {}
     for side in sides:
         t: dict[str, list[float]] = {}
         s: dict[str, str] = {}
         for path in side.split(","):
             for r in json.loads(Path(path).read_text())["rows"]:
-                s[r["key"]] = r["sha"]
-                if "us" in r and not r.get("wrong"):
-                    t.setdefault(r["key"], []).append(r["us"])
-                    names[r["key"]] = r["name"]
+                if "us" not in r or r.get("wrong"):
+                    continue
+                key = " ".join(r["key"].split(" ")[:3] + [r["name"]])
+                s[key] = r["sha"]
+                t.setdefault(key, []).append(r["us"])
         times.append(t)
         shas.append(s)
     worst, bad = 0.0, 0
-    print("| row | before us | after us | after / before | source |")
-    print("|---|---:|---:|---:|---|")
+    print("| row | variant | before µs | after µs | after / before | source |")
+    print("|---|---|---:|---:|---:|---|")
     for key in times[0]:
+        family, shape, dtype, name = key.split(" ")
         if key not in times[1]:
-            print(f"| {key} | missing after |")
+            print(f"| {family} {shape} {dtype} | `{name}` | {statistics.median(times[0][key]):.2f} | missing | | |")
             bad += 1
             continue
         a, b = statistics.median(times[0][key]), statistics.median(times[1][key])
         same = "same" if shas[0][key] == shas[1][key] else "CHANGED"
         bad += same != "same"
         worst = max(worst, b / a)
-        family, shape, dtype = key.split(" ")[:3]
-        print(f"| {family} {shape} {dtype} `{names[key]}` | {a:.2f} | {b:.2f} | {b / a:.3f} | {same} |")
-    print(f"worst after/before: {worst:.3f}; rows with changed sources or missing: {bad}")
+        print(f"| {family} {shape} {dtype} | `{name}` | {a:.2f} | {b:.2f} | {b / a:.3f} | {same} |")
+    print(f"\n{len(times[0])} rows; worst after/before {worst:.3f}; rows with changed sources or missing: {bad}")
     return 0 if bad == 0 and worst <= 1.02 else 1
 
 
