@@ -88,9 +88,10 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         raise NativeBuildError("autosoft native: no C++ compiler (c++, or the one $CXX names) on PATH")
     if shutil.which("ninja") is None:
         raise NativeBuildError('autosoft native: needs ninja (pip install ninja, or pip install "autosoft[native]")')
-    # a forced build goes to a folder of its own and replaces the library only once it succeeded:
-    # a failed rebuild leaves the working one in place
-    folder = path.parent / "rebuild" if force and path.exists() else path.parent
+    # every build goes to a folder beside the library and replaces it only once it succeeded: a
+    # failed rebuild leaves the working one in place, and a process that finds the library (two
+    # xdist workers, two programs) never loads one the linker is still writing
+    folder = path.parent / ("rebuild" if force and path.exists() else "staging")
     folder.mkdir(parents=True, exist_ok=True)
     built = folder / path.name
     if built != path and built.exists():
