@@ -119,3 +119,21 @@ def test_native_with_a_read_only_cache_folder_is_one_line_and_builds_nothing(tmp
     assert line.startswith(f"autosoft: error: autosoft native: cannot write the build {locked / 'native'} (")
     assert "AUTOSOFT_CACHE_DIR" in line and result.stdout == ""
     assert not list(locked.iterdir())
+
+
+def test_two_processes_building_at_once_both_load_a_whole_library(tmp_path):
+    """Two programs (or two xdist workers) that find no library build it at once: cpp_extension's
+    lock lets one link; the other must neither load a library still being written nor fail when
+    the first has already moved it into place."""
+    import os
+    import subprocess
+    import sys
+
+    child = ("import autosoft.torch_ops\nfrom autosoft import native\n"
+             "import torch\npath = native.build(); torch.ops.load_library(str(path)); print(path)")
+    env = {**os.environ, "AUTOSOFT_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    outs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-400:] for _, err in outs]
+    assert outs[0][0] == outs[1][0] and outs[0][0].strip().endswith(".so")
