@@ -32,10 +32,9 @@ the call's arrays (the family's `inputs`), problem options and run-time scalars.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
-if TYPE_CHECKING:
-    from .families.base import OptionValue
+OptionValue = bool | int | float  # a problem option's value, as families.base spells it
 
 __all__ = ["Backward", "OperatorCall", "TorchOperator", "declared_operators"]
 

@@ -395,7 +395,9 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
                                                                                   tmp_path):
     url = postgres_server.database("batch_eight")
     problems = tmp_path / "problems.yaml"
-    write_problems(problems, FORTY)
+    sixteen = FORTY[:16]  # two problems a worker, so that workers with nothing left to claim share the last ones
+    expected = {k: v for k, v in single.items() if (k[1], k[2]) in {(p.shape_text, p.dtype) for p in sixteen}}
+    write_problems(problems, sixteen)
     cache = tmp_path / "k.sqlite"
     proc = subprocess.Popen(
         [sys.executable, "-m", "autosoft", "tune", "--problems", str(problems), "--replay", str(RECORDING),
@@ -416,10 +418,10 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     assert "ended with signal 9" in err
 
     results = stored_results(storage)
-    assert len(results) == 40
+    assert len(results) == 16
     snap = Board(storage).snapshot()
     assert all(snap.problem(name).results == 1 for name in snap.leases), "a problem finished twice"
-    assert winners(results) == single, "the results differ from one process's"
+    assert winners(results) == expected, "the results differ from one process's"
 
     # the killed worker's trial: failed as reaped, and taken up again exactly once
     reaped, retried = [], []
@@ -444,14 +446,14 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     assert shared >= 2, "the last problems' trials were shared by the workers that had nothing left to claim"
 
     listed = run_cli(["list", "--storage", url])
-    assert listed.returncode == 0 and "40 results" in listed.stdout
+    assert listed.returncode == 0 and "16 results" in listed.stdout
     shipped = tmp_path / "ship.sqlite"
     collected = run_cli(["collect", "--storage", url, "--cache", shipped])
-    assert collected.returncode == 0 and "40 entries; 40 written" in collected.stdout, collected.stderr
+    assert collected.returncode == 0 and "16 entries; 16 written" in collected.stdout, collected.stderr
     from autosoft.cache import Cache
 
     assert {(e.key.shape, e.key.dtype): e.variant_name for e in Cache(shipped).entries()} == {
-        (k[1], k[2]): v[0] for k, v in single.items()}
+        (k[1], k[2]): v[0] for k, v in expected.items()}
 
 
 def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
