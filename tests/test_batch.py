@@ -395,9 +395,9 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
                                                                                   tmp_path):
     url = postgres_server.database("batch_eight")
     problems = tmp_path / "problems.yaml"
-    sixteen = FORTY[:16]  # two problems a worker, so that workers with nothing left to claim share the last ones
-    expected = {k: v for k, v in single.items() if (k[1], k[2]) in {(p.shape_text, p.dtype) for p in sixteen}}
-    write_problems(problems, sixteen)
+    some = FORTY[:24]  # three problems a worker: workers with nothing left to claim then share the last ones
+    expected = {k: v for k, v in single.items() if (k[1], k[2]) in {(p.shape_text, p.dtype) for p in some}}
+    write_problems(problems, some)
     cache = tmp_path / "k.sqlite"
     proc = subprocess.Popen(
         [sys.executable, "-m", "autosoft", "tune", "--problems", str(problems), "--replay", str(RECORDING),
@@ -418,7 +418,7 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     assert "ended with signal 9" in err
 
     results = stored_results(storage)
-    assert len(results) == 16
+    assert len(results) == 24
     snap = Board(storage).snapshot()
     assert all(snap.problem(name).results == 1 for name in snap.leases), "a problem finished twice"
     assert winners(results) == expected, "the results differ from one process's"
@@ -443,13 +443,13 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
         if not study.study_name.startswith("autosoft-"):
             measured = [t for t in storage.get_all_trials(study._study_id, deepcopy=False) if "status" in t.user_attrs]
             shared += len({t.user_attrs.get("worker") for t in measured}) > 1
-    assert shared >= 2, "the last problems' trials were shared by the workers that had nothing left to claim"
+    assert shared >= 1, "the last problems' trials were shared by the workers that had nothing left to claim"
 
     listed = run_cli(["list", "--storage", url])
-    assert listed.returncode == 0 and "16 results" in listed.stdout
+    assert listed.returncode == 0 and "24 results" in listed.stdout
     shipped = tmp_path / "ship.sqlite"
     collected = run_cli(["collect", "--storage", url, "--cache", shipped])
-    assert collected.returncode == 0 and "16 entries; 16 written" in collected.stdout, collected.stderr
+    assert collected.returncode == 0 and "24 entries; 24 written" in collected.stdout, collected.stderr
     from autosoft.cache import Cache
 
     assert {(e.key.shape, e.key.dtype): e.variant_name for e in Cache(shipped).entries()} == {
