@@ -29,6 +29,9 @@ from autosoft.problems import write_problems
 from autosoft.search import Search
 from autosoft.storage import open_storage
 
+# one worker runs the whole module under `pytest -n 2 --dist loadgroup`: its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("batch")
+
 REPO = Path(__file__).resolve().parents[1]
 RECORDING = REPO / "benchmarks" / "results" / "softmax_h200.sqlite"
 SOFTMAX = get_family("softmax")
@@ -42,7 +45,7 @@ def recorded_problems():
 
 
 PROBLEMS = recorded_problems()
-FORTY = PROBLEMS[:40]
+BATCH = PROBLEMS[:24]  # three problems for each of eight workers
 
 
 def run_cli(args, env=None, timeout=600):
@@ -61,12 +64,12 @@ def winners(results) -> dict[tuple[str, str, str], tuple[str, float, float]]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """The 40 problems tuned by one worker in this process on the embedded default storage."""
+    """The batch's problems tuned by one worker in this process on the embedded default storage."""
     folder = tmp_path_factory.mktemp("single")
-    spec = BatchSpec(problems=tuple(FORTY), trials=TRIALS, cache=str(folder / "k.sqlite"),
+    spec = BatchSpec(problems=tuple(BATCH), trials=TRIALS, cache=str(folder / "k.sqlite"),
                      storage=f"sqlite:///{folder / 'k-studies.sqlite'}", fresh=True, replay=str(RECORDING))
     result = run_batch(spec)
-    assert not result.missing and len(result.results) == 40
+    assert not result.missing and len(result.results) == len(BATCH)
     return winners(result.results)
 
 
@@ -195,7 +198,7 @@ def test_an_interrupted_claim_is_withdrawn_and_the_point_is_untried_again(tmp_pa
 def test_one_process_batch_tunes_each_problem_to_its_fastest_recorded_point(single):
     """Every recorded point evaluated, the finalists re-timed from the recording: each result is
     the problem's fastest recorded correct point, and its default the recorded default."""
-    assert len(single) == 40
+    assert len(single) == len(BATCH)
     with sqlite3.connect(RECORDING) as conn:
         fastest = dict(((f, s, d), t) for f, s, d, t in conn.execute(
             "SELECT family, shape, dtype, MIN(time_us) FROM trials WHERE status='ok' GROUP BY family, shape, dtype"))
@@ -204,7 +207,7 @@ def test_one_process_batch_tunes_each_problem_to_its_fastest_recorded_point(sing
 
 
 def test_journal_workers_of_one_host_equal_one_process_and_resume_does_nothing(single, tmp_path):
-    eight = FORTY[:8]
+    eight = BATCH[:8]
     problems = tmp_path / "problems.yaml"
     write_problems(problems, eight)
     cache = tmp_path / "k.sqlite"
@@ -294,7 +297,7 @@ def test_a_stopped_or_killed_batch_leaves_no_worker_running(tmp_path, how, sigin
     # The batch starts with SIGINT ignored, as a script's `cmd &` starts it: its workers, which the
     # batch and their watch stop by SIGINT, inherited that and tuned on.
     listing = tmp_path / "problems.yaml"
-    write_problems(listing, FORTY[:8])
+    write_problems(listing, BATCH[:8])
     proc = subprocess.Popen([sys.executable, "-m", "autosoft", "tune", "--problems", str(listing), "--trials", "60",
                              "--cache", str(tmp_path / "k.sqlite"), "--gpus", "0,1", "--replay", str(RECORDING),
                              "--replay-delay", "0.3"], cwd=REPO, start_new_session=True,
@@ -346,7 +349,7 @@ def test_the_batch_cli_refuses_bad_input_on_one_line(tmp_path):
 def test_gpus_takes_the_journal_storage_even_for_one_gpu(tmp_path):
     """README: the default for --gpus/--ray is <cache stem>-studies.log; --gpus 0 took SQLite."""
     cache = tmp_path / "k.sqlite"
-    result = run_cli(["tune", "softmax", "--shape", FORTY[0].shape_text, "--dtype", FORTY[0].dtype, "--replay",
+    result = run_cli(["tune", "softmax", "--shape", BATCH[0].shape_text, "--dtype", BATCH[0].dtype, "--replay",
                       RECORDING, "--trials", "3", "--cache", cache, "--gpus", "0"])
     assert result.returncode == 0, result.stderr
     assert f"storage journal://{tmp_path / 'k-studies.log'}" in result.stderr.splitlines()[0]
@@ -395,9 +398,7 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
                                                                                   tmp_path):
     url = postgres_server.database("batch_eight")
     problems = tmp_path / "problems.yaml"
-    some = FORTY[:24]  # three problems a worker: workers with nothing left to claim then share the last ones
-    expected = {k: v for k, v in single.items() if (k[1], k[2]) in {(p.shape_text, p.dtype) for p in some}}
-    write_problems(problems, some)
+    write_problems(problems, BATCH)
     cache = tmp_path / "k.sqlite"
     proc = subprocess.Popen(
         [sys.executable, "-m", "autosoft", "tune", "--problems", str(problems), "--replay", str(RECORDING),
@@ -421,7 +422,7 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     assert len(results) == 24
     snap = Board(storage).snapshot()
     assert all(snap.problem(name).results == 1 for name in snap.leases), "a problem finished twice"
-    assert winners(results) == expected, "the results differ from one process's"
+    assert winners(results) == single, "the results differ from one process's"
 
     # the killed worker's trial: failed as reaped, and taken up again exactly once
     reaped, retried = [], []
@@ -453,12 +454,12 @@ def test_eight_workers_on_postgresql_one_killed_finish_every_problem_exactly_onc
     from autosoft.cache import Cache
 
     assert {(e.key.shape, e.key.dtype): e.variant_name for e in Cache(shipped).entries()} == {
-        (k[1], k[2]): v[0] for k, v in expected.items()}
+        (k[1], k[2]): v[0] for k, v in single.items()}
 
 
 def test_ray_places_one_worker_per_logical_gpu(single, tmp_path):
     ray = pytest.importorskip("ray")
-    six = FORTY[8:14]
+    six = BATCH[8:14]
     # each problem takes about 4 s (40 replayed trials of 0.1 s): long enough that no Ray worker
     # finishes all six before the others have started, even on a loaded machine
     spec = BatchSpec(problems=tuple(six), trials=TRIALS, cache=str(tmp_path / "k.sqlite"),
@@ -501,7 +502,7 @@ def test_ray_at_an_address_nobody_answers_is_one_line_at_once(tmp_path):
 
 
 def test_an_interrupted_batch_resumes_where_it_stopped(tmp_path, sigint_handled):
-    three = FORTY[:3]
+    three = BATCH[:3]
     problems = tmp_path / "problems.yaml"
     write_problems(problems, three)
     cache = tmp_path / "k.sqlite"
@@ -554,7 +555,7 @@ def test_the_progress_display_on_a_terminal(tmp_path):
             return True
 
     storage = journal(tmp_path, "display.log")
-    two = FORTY[:2]
+    two = BATCH[:2]
     board = Board(storage, lease_s=30)
     board.join()
     try:

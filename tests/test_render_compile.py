@@ -20,6 +20,9 @@ from autosoft.render import environment, render
 
 from helpers import cuda_tool
 
+# one worker runs the whole module under `pytest -n 2 --dist loadgroup`: its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("render_compile")
+
 SOFTMAX = get_family("softmax")
 ARCHS = ("90", "80")
 SAMPLE_SHAPES = [(1, 1), (1, 3), (5, 3), (1, 1000), (3, 1000), (7, 1025), (33, 50257), (1, 50257),

@@ -30,6 +30,9 @@ from autosoft.tune import study_storage, tune  # noqa: E402
 
 from helpers import run_cli, run_cli_read_only_honoured  # noqa: E402
 
+# one worker runs the whole module under `pytest -n 2 --dist loadgroup`: its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("report")
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SWEEP = RESULTS / "softmax_h200.sqlite"
