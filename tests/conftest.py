@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 from functools import lru_cache
 
 import pytest
@@ -57,7 +58,7 @@ def _gpu_memory_returned(request):
     cp = cupy_module()
     cp.get_default_memory_pool().free_all_blocks()
     cp.get_default_pinned_memory_pool().free_all_blocks()
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
