@@ -14,21 +14,20 @@ import typing as _typing
 from ._version import __version__  # noqa: E402
 from .api import attention, load_cache, log_softmax, softmax  # noqa: E402
 from .errors import NoDeviceError, UserError  # noqa: E402
-from .families.cross_entropy import cross_entropy, linear_cross_entropy  # noqa: E402 - torch functions of their own
 
-_API = ["softmax", "log_softmax", "attention", "cross_entropy", "linear_cross_entropy", "load_cache", "UserError",
-        "NoDeviceError", "__version__"]
+_API = ["softmax", "log_softmax", "attention", "load_cache", "UserError", "NoDeviceError", "__version__"]
 
 
 def __getattr__(name: str) -> _typing.Any:
-    """autosoft.<family>: the Python function of a family declared in its own module
-    (attention_colsum, plug-in families), built on first use. autosoft.__all__: the functions
-    above and every family's function, built-in or plug-in (computed when asked: reading the
-    plug-ins' entry points costs a first call tens of milliseconds, which `import autosoft` does not pay)."""
+    """autosoft.<name>: a family's Python function, declared in its own module (attention_colsum,
+    topk_softmax, plug-in families) or written by hand in autosoft/functions/ (cross_entropy,
+    linear_cross_entropy), found on first use. autosoft.__all__: the functions above and every
+    family's, built-in or plug-in (computed when asked: reading the plug-ins' entry points costs
+    a first call tens of milliseconds, which `import autosoft` does not pay)."""
     if name == "__all__":
-        from .families import families
+        from .api import family_function_names
 
-        return _API + sorted(n for n, f in families().items() if f.has_python_call and n not in _API)
+        return _API + [n for n in family_function_names() if n not in _API]
     if not name.startswith("_"):
         from .api import family_function
 
@@ -40,6 +39,6 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:
-    from .families import families
+    from .api import family_function_names
 
-    return sorted(set(globals()) | {n for n, f in families().items() if f.has_python_call})
+    return sorted(set(globals()) | set(family_function_names()))

@@ -16,6 +16,7 @@ run time (tests/test_typing.py checks both).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import os
@@ -226,6 +227,30 @@ GENERIC_RETURNS = "Array | tuple[Array, ...]"
 outputs the call names, one alone, several as a tuple, each of the kind of array given."""
 
 
+def family_function_names() -> list[str]:
+    """The names of every family's public functions, sorted: declared calls and hand-written ones."""
+    from .families import families
+
+    names = set()
+    for family_name, family in families().items():
+        if family.has_python_call:
+            names.add(family_name)
+        names.update(path.rpartition(":")[2] for path in family.public_functions)
+    return sorted(names)
+
+
+def _public_function(name: str) -> Callable[..., Any] | None:
+    """The hand-written function `name` a family declares (Family.public_functions), imported."""
+    from .families import families
+
+    for family in families().values():
+        for path in family.public_functions:
+            module, _, function = path.partition(":")
+            if function == name:
+                return getattr(importlib.import_module(module), function)
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def family_function(name: str) -> Callable[..., Any]:
     """autosoft.<name>: the Python function of the family `name`, built from its python_call (its
@@ -233,7 +258,11 @@ def family_function(name: str) -> Callable[..., Any]:
     GENERIC_RETURNS). Where the family declares an operator of the same name (autosoft.torch_ops),
     a call goes through it while torch.compile traces (the graph holds one operator) and while
     autograd records a tensor that requires gradients (the operator's declared backward, or its
-    refusal). LookupError where no family of that name declares a Python function."""
+    refusal). A function a family writes by hand (Family.public_functions) is returned as it is.
+    LookupError where no family of that name declares a Python function."""
+    written = _public_function(name)
+    if written is not None:
+        return written
     try:
         family = get_family(name)
     except UserError:

@@ -317,3 +317,12 @@ def test_fp32_near_ties_of_the_grouped_keys_pass():
     assert index.tolist() == [[2, 1]]
     kernel = {"weights": weights[:, ::-1].astype(np.float32), "indices": np.array([[1, 2]], dtype=np.int32)}
     assert check_routing(problem, inputs, kernel, np) is None
+
+
+def test_the_operator_is_registered_with_its_schema():
+    torch = pytest.importorskip("torch")
+    import autosoft.torch_ops  # noqa: F401 - registers the operators
+
+    assert str(torch.ops.autosoft.topk_softmax.default._schema) == (
+        "autosoft::topk_softmax(Tensor logits, Tensor? bias, float scale, int k, bool renormalize, "
+        "int n_group, int topk_group, bool sigmoid) -> (Tensor, Tensor)")

@@ -47,20 +47,27 @@ def fake_cuda(*shape, dtype=F32):
 
 # --- registration -------------------------------------------------------------------------
 
+CORE_SCHEMAS = {
+    "softmax": "autosoft::softmax(Tensor x, int dim) -> Tensor",
+    "log_softmax": "autosoft::log_softmax(Tensor x, int dim) -> Tensor",
+    "softmax_backward": "autosoft::softmax_backward(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
+    "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
+                 "int? window_left=None, int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
+    "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
+                        "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)"}
+
+
 def test_the_operators_are_registered_with_their_schemas():
+    from autosoft.families import families
+
+    declared = {op.name: op.schema for family in families().values() for op in family.torch_operators}
+    assert set(torch_ops.OPS) == set(declared)  # every declared operator, and nothing else
     schemas = {name: str(getattr(ops, name).default._schema) for name in torch_ops.OPS}
-    assert schemas == {
-        "softmax": "autosoft::softmax(Tensor x, int dim) -> Tensor",
-        "log_softmax": "autosoft::log_softmax(Tensor x, int dim) -> Tensor",
-        "softmax_backward": "autosoft::softmax_backward(Tensor y, Tensor dy, int dim, bool log) -> Tensor",
-        "attention": "autosoft::attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
-                     "int? window_left=None, int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
-        "attention_colsum": "autosoft::attention_colsum(Tensor q, Tensor k, Tensor v, int split, bool causal, "
-                            "float scale, bool deterministic) -> (Tensor o, Tensor colsum, Tensor lse)",
-        "cross_entropy": "autosoft::cross_entropy(Tensor logits, Tensor target, Tensor scale, int ignore_index, "
-                         "float label_smoothing, float z_loss) -> (Tensor loss, Tensor lse, Tensor grad)",
-        "topk_softmax": "autosoft::topk_softmax(Tensor logits, Tensor? bias, float scale, int k, bool renormalize, "
-                        "int n_group, int topk_group, bool sigmoid) -> (Tensor, Tensor)"}
+    for name, schema in declared.items():
+        assert getattr(ops, name).default._schema == torch._C.parse_schema(f"autosoft::{name}{schema}")
+    # the core families' operators as users and compiled graphs see them (each other family's own
+    # tests state its schema)
+    assert {name: schemas[name] for name in CORE_SCHEMAS} == CORE_SCHEMAS
     for name in torch_ops.OPS:  # tagged as safe for torch.compile; none mutates its inputs
         overload = getattr(ops, name).default
         assert torch.Tag.pt2_compliant_tag in overload.tags

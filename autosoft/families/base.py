@@ -273,6 +273,11 @@ class Family(abc.ABC):
     python_returns: ClassVar[str | None] = None
     """The return annotation of its Python function, as text, where `python_call`'s own says
     only Call (autosoft.<name>'s help() shows it)."""
+    public_functions: ClassVar[tuple[str, ...]] = ()
+    """"module:function" of public functions written by hand (autosoft.<function>), for a family
+    whose function is more than a declared call (an autograd Function, a reduction, chunking):
+    they live in autosoft/functions/, above the arrays layer a family never imports, and are
+    imported on first use. A family declares either these or python_call."""
 
     # --- problems ----------------------------------------------------------------------------
     @abc.abstractmethod
