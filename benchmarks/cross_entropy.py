@@ -6,6 +6,8 @@ cross-entropy and torch's unfused composition, in time and peak memory.
     python benchmarks/cross_entropy.py --cache ce.sqlite --out ce.json             # every row
     python benchmarks/cross_entropy.py --quick --cache ce.sqlite --out quick.json  # < 3 minutes on an H100
     python benchmarks/cross_entropy.py --linear --cache ce.sqlite --out linear.json
+    python benchmarks/cross_entropy.py --tune-only --cache ce.sqlite          # tune, time nothing
+    python benchmarks/cross_entropy.py --dtypes bfloat16 --vocabs 32000,50257 --cache ce.sqlite  # some rows
 
 Rows: tokens 4096..32768 x vocabularies 32000, 50257, 128256, 151936, 256000, bfloat16 and
 float32 (--quick: three of them). For each vocabulary and dtype the family is tuned once, at
@@ -272,6 +274,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--chunks", default="default,1024,2048,4096",
                         help="linear: autosoft's chunk sizes to measure (tokens; 'default' is its own choice)")
+    parser.add_argument("--vocabs", default=None, help="only these vocabularies (comma-separated)")
+    parser.add_argument("--dtypes", default=None, help="only these dtypes (comma-separated)")
+    parser.add_argument("--tokens", default=None, help="only these token counts (comma-separated)")
+    parser.add_argument("--tune-only", action="store_true", help="tune the rows' problems into --cache, time nothing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     args = parser.parse_args()
@@ -303,6 +309,12 @@ def main() -> int:
         import autosoft
 
         rows = QUICK if args.quick else [(t, v, d) for d in DTYPES for v in VOCABS for t in TOKENS]
+        for position, flag in ((0, args.tokens), (1, args.vocabs), (2, args.dtypes)):
+            if flag is not None:
+                wanted = set(flag.split(","))
+                rows = [row for row in rows if str(row[position]) in wanted]
+        if not rows:
+            parser.error("--tokens, --vocabs and --dtypes leave no row")
         trials = args.trials or (12 if args.quick else 40)
         cache = Cache(args.cache)
         tuned: dict[tuple[int, str], dict] = {}
@@ -317,6 +329,8 @@ def main() -> int:
                 result.setdefault("tuning", []).append({"problem": problem.shape_text, "dtype": dtype,
                                                         "tuned_now": now, "seconds": round(seconds, 1)})
         autosoft.load_cache(str(cache.path))  # autosoft.cross_entropy dispatches the tuned variants
+        if args.tune_only:
+            rows = []
         contenders = peers(torch)
         result["contenders"] = sorted(contenders)
         for tokens, vocab, dtype in rows:
