@@ -218,10 +218,11 @@ class TopkSoftmaxFamily(RowsFamily):
         return (Launch("topk_softmax", (blocks, 1, 1), (values["threads"], 1, 1), 0, args),), 0
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """16-byte loads where E allows (and, grouped, a vector inside a group), up to 32 experts
-        a thread (a token per thread for 32 experts or fewer: few threads per token means few
-        shuffle rounds), each thread's best keys by bitonic sorts, 128 threads a block; the
-        rescan where a thread holds one expert."""
+        """16-byte loads where E allows (and, grouped, a vector inside a group), up to 64 experts
+        a thread with 32-bit keys and 32 with 64-bit ones (fewer threads per token: fewer
+        shuffle rounds, and ptxas streams a thread's keys through its sorts in few registers),
+        each thread's best keys by bitonic sorts, 128 threads a block; the rescan where a thread
+        holds one expert."""
         _, e = problem.shape
         itemsize = ITEMSIZE[problem.dtype]
         group = e // int(problem.option("n_group", 1))
@@ -229,7 +230,8 @@ class TopkSoftmaxFamily(RowsFamily):
         while vec * 2 * itemsize <= 16 and e % (vec * 2) == 0 and group % (vec * 2) == 0:
             vec *= 2
         vectors = e // vec
-        row_threads = min(32, pow2_ceil(-(-vectors * vec // 32)))
+        per_thread = 64 if self._key_bits(problem) == 32 else 32
+        row_threads = min(32, pow2_ceil(-(-vectors * vec // per_thread)))
         p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "bitonic"}
         return self.first_valid(problem, target, p, (
             {"row_threads": min(32, pow2_ceil(-(-vectors // 2)))}, {"select": "rescan"},
