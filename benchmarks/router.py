@@ -3,7 +3,7 @@ renormalise; DeepSeek-V3's grouped_topk for the grouped rows) and the same under
 against the copy limit.
 
     python benchmarks/router.py --cache router.sqlite --trials 30 --out router.json
-    python benchmarks/router.py --quick --out router_quick.json     # 4 rows, under 2 minutes
+    python benchmarks/router.py --quick --out router_quick.json     # 7 rows, about 3 minutes
 
 For every row (tokens x experts x k, dtype, plain or grouped): a device-to-device copy of the same
 bytes (logits read + weights and indices written) is timed as the limit; autosoft is tuned (or
@@ -45,10 +45,12 @@ ROWS = [(1, 8, 2, "float32", False), (1, 256, 8, "bfloat16", True), (128, 8, 2, 
         (4096, 160, 6, "bfloat16", False), (4096, 256, 8, "bfloat16", True), (4096, 384, 8, "bfloat16", False),
         (4096, 512, 16, "float32", False), (65536, 8, 2, "bfloat16", False), (65536, 60, 4, "float32", False),
         (65536, 64, 6, "bfloat16", False), (65536, 128, 8, "bfloat16", False), (65536, 160, 6, "float16", False),
-        (65536, 256, 8, "bfloat16", True), (65536, 256, 1, "float32", False), (65536, 384, 8, "bfloat16", False),
-        (65536, 512, 16, "bfloat16", False)]
+        (65536, 256, 8, "bfloat16", False), (65536, 256, 8, "bfloat16", True), (65536, 256, 1, "float32", False),
+        (65536, 384, 8, "bfloat16", False), (65536, 512, 16, "bfloat16", False)]
+# the copy target is set at 65,536 tokens: 128, 256 and 384 experts (k 8) and DeepSeek-V3's grouped shape
 QUICK = [(4096, 8, 2, "bfloat16", False), (4096, 128, 8, "bfloat16", False), (4096, 256, 8, "bfloat16", True),
-         (65536, 128, 8, "bfloat16", False)]
+         (65536, 128, 8, "bfloat16", False), (65536, 256, 8, "bfloat16", False), (65536, 384, 8, "bfloat16", False),
+         (65536, 256, 8, "bfloat16", True)]
 
 
 def torch_router(torch, grouped: bool):
@@ -137,7 +139,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=30, help="tuning trials per row")
     parser.add_argument("--reps", type=int, default=40, help="timed runs per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds in which the contenders take turns")
-    parser.add_argument("--quick", action="store_true", help="4 rows, 8 trials, 3 rounds: under 2 minutes")
+    parser.add_argument("--quick", action="store_true", help="7 rows, 8 trials, 3 rounds: about 3 minutes")
     parser.add_argument("--out", default="router.json", help="JSON results")
     args = parser.parse_args()
     if args.trials < 1 or args.reps < 1 or args.rounds < 1:

@@ -1,8 +1,11 @@
 """GPU tier: the topk_softmax family (the MoE router) on a real device. Variants are verified as the
 tuner verifies them (autosoft.evaluate.verify: every input kind, outputs poisoned first) for every
-expert count, k = 1 and k = E, both strategies, the DeepSeek-V3 grouped form, 1 and 65,536 tokens;
-then autosoft.topk_softmax through torch against torch's float64 composition, ties included."""
+expert count, k = 1 and k = E, every strategy, the DeepSeek-V3 grouped form, 1 and 65,536 tokens,
+and points sampled from the whole space (every block size, store width and list length); then
+autosoft.topk_softmax through torch against torch's float64 composition, ties included."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -79,6 +82,22 @@ def test_one_token_and_65536_tokens(shape):
             continue
         problem = FAMILY.problem(shape, "bfloat16", options)
         _verify(problem, _points(problem)[:4])
+
+
+@pytest.mark.parametrize("shape, dtype, options", [
+    ("65536x128", "bfloat16", {"k": 8, "renormalize": True}),
+    ("1000x384", "float16", {"k": 8}),
+    ("777x512", "bfloat16", {"k": 16, "renormalize": True}),
+    ("333x60", "float32", {"k": 6, "renormalize": True}),
+    ("4099x256", "bfloat16", DEEPSEEK),
+    ("129x160", "float32", {"k": 6, "n_group": 8, "topk_group": 3}),
+])
+def test_sampled_variants(shape, dtype, options):
+    """Eight valid points drawn from the whole space (a fixed seed): block sizes whose last warp
+    runs past the tokens, every store width, the 32- and 64-bit keys, lists of every length."""
+    problem = FAMILY.problem(shape, dtype, options)
+    points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
+    _verify(problem, random.Random(shape).sample(points, min(8, len(points))))
 
 
 def test_the_torch_function_matches_torchs_composition_with_ties():

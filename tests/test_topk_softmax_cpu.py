@@ -177,7 +177,8 @@ def test_every_expert_count_has_a_valid_default_and_seeds(experts, dtype):
         assert FAMILY.is_valid(problem, target, default)
         assert experts % default["vec"] == 0
         seeds = FAMILY.seed_params(problem, target)
-        assert {s["select"] for s in seeds} == {"rescan", "sorted"}, "both strategies are measured first"
+        assert {s["select"] for s in [default, *seeds]} == {"rescan", "sorted", "bitonic"}, \
+            "every strategy is measured first"
 
 
 def test_constraints_keep_rows_on_vector_boundaries_and_experts_in_registers():
@@ -196,10 +197,48 @@ def test_constraints_keep_rows_on_vector_boundaries_and_experts_in_registers():
         "two vectors cannot feed four threads"
 
 
+def test_large_token_counts_get_the_bitonic_default_with_16_bit_keys_where_exact():
+    """Plain bf16/fp16: a key is the 16-bit logit and its index in 32 bits; fp32 logits or
+    fp32 scores (grouped) need 64. The default sorts each thread's keys with bitonic networks and
+    keeps a thread to at most 64 experts with 32-bit keys, 32 with 64-bit ones."""
+    target = Target.for_arch("90")
+    for shape, dtype, options, bits in (("65536x128", "bfloat16", {"k": 8, "renormalize": True}, 32),
+                                        ("65536x384", "float16", {"k": 8}, 32),
+                                        ("65536x60", "float32", {"k": 4}, 64),
+                                        ("65536x256", "bfloat16", DEEPSEEK, 64)):
+        problem = FAMILY.problem(shape, dtype, options)
+        assert FAMILY.problem_values(problem, target)["key_bits"] == bits, shape
+        default = FAMILY.default_params(problem, target)
+        assert default["select"] == "bitonic", shape
+        values = space_of(FAMILY).evaluate(default, FAMILY.problem_values(problem, target))
+        assert values["experts_per_thread"] <= (64 if bits == 32 else 32), (shape, default)
+        assert values["experts_per_thread"] * 2 > (64 if bits == 32 else 32) or default["row_threads"] == 1, \
+            "no more threads a token than that bound needs"
+        source = build_variant(FAMILY, problem, default, target).source
+        assert ("typedef unsigned int rkey_t;" in source) == (bits == 32), shape
+
+
+def test_stores_and_lists_take_the_widths_that_fit():
+    """out_vec divides both k and the slots of a thread (a store is all in or all out of the
+    row); a bitonic list is the power of two at or above min(k, experts per thread)."""
+    target = Target.for_arch("90")
+    space = space_of(FAMILY)
+    for k, row_threads, out_vec in ((8, 2, 4), (8, 4, 2), (6, 4, 2), (6, 2, 1), (8, 16, 1), (16, 4, 4)):
+        problem = FAMILY.problem("64x128", "bfloat16", {"k": k})
+        params = {"threads": 128, "row_threads": row_threads, "vec": 8, "select": "bitonic"}
+        values = space.evaluate(params, FAMILY.problem_values(problem, target))
+        assert values["out_vec"] == out_vec, (k, row_threads)
+        assert values["list_len"] == {6: 8, 8: 8, 16: 16}[k]
+    grouped = FAMILY.problem("64x160", "bfloat16", {"k": 6, "n_group": 8, "topk_group": 3})
+    assert not FAMILY.is_valid(grouped, target, {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic"}), \
+        "groups of 20 experts: a vector of 8 would straddle two"
+    assert FAMILY.is_valid(grouped, target, {"threads": 128, "row_threads": 4, "vec": 4, "select": "bitonic"})
+
+
 # --- rendering and compiling -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", sorted(FORMS))
-@pytest.mark.parametrize("select", ["rescan", "sorted"])
+@pytest.mark.parametrize("select", ["rescan", "sorted", "bitonic"])
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_each_strategy_and_form_compiles(form, select, arch):
     target = Target.for_arch(arch)

@@ -32,7 +32,7 @@ from ..dtypes import ITEMSIZE, SHORT as _SHORT, to_float64, to_storage
 from ..errors import UserError
 from ..space import ParamValue
 from . import register
-from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil, pow2_floor
+from ._rows import INT32_MAX, VEC_BITS_TYPE, RowsFamily, pow2_ceil
 from ..operators import OperatorCall, TorchOperator
 from .base import Call, Launch, OptionValue, Problem, ProblemOption, Target, valid_neighbours
 
@@ -139,7 +139,14 @@ class TopkSoftmaxFamily(RowsFamily):
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, e = problem.shape
         return {"M": m, "E": e, "K": int(problem.option("k")), "itemsize": ITEMSIZE[problem.dtype],
-                "n_group": int(problem.option("n_group", 1)), "arch": int(target.arch), "sm_count": target.sm_count}
+                "n_group": int(problem.option("n_group", 1)), "key_bits": self._key_bits(problem),
+                "arch": int(target.arch), "sm_count": target.sm_count}
+
+    @classmethod
+    def _key_bits(cls, problem: Problem) -> int:
+        """32 where a selection key is a 16-bit logit beside its index (the plain form of float16
+        and bfloat16: one integer max compares two keys), else 64 (an fp32 value beside it)."""
+        return 32 if not cls._grouped(problem) and ITEMSIZE[problem.dtype] == 2 else 64
 
     # --- the Python function -----------------------------------------------------------------
     def python_call(self, router_logits: Any, k: int, renormalize: bool = True, *, n_group: int | None = None,
@@ -211,17 +218,23 @@ class TopkSoftmaxFamily(RowsFamily):
         return (Launch("topk_softmax", (blocks, 1, 1), (values["threads"], 1, 1), 0, args),), 0
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """16-byte loads where E allows, about two vectors per thread (a token per thread for 16
-        experts or fewer), 128 threads a block, each round a rescan."""
+        """16-byte loads where E allows (and, grouped, a vector inside a group), up to 64 experts
+        a thread with 32-bit keys and 32 with 64-bit ones (fewer threads per token: fewer
+        shuffle rounds, and ptxas streams a thread's keys through its sorts in few registers),
+        each thread's best keys by bitonic sorts, 128 threads a block; the rescan where a thread
+        holds one expert."""
         _, e = problem.shape
         itemsize = ITEMSIZE[problem.dtype]
+        group = e // int(problem.option("n_group", 1))
         vec = 1
-        while vec * 2 * itemsize <= 16 and e % (vec * 2) == 0:
+        while vec * 2 * itemsize <= 16 and e % (vec * 2) == 0 and group % (vec * 2) == 0:
             vec *= 2
         vectors = e // vec
-        row_threads = 1 if e <= 16 else min(32, pow2_floor(max(1, vectors // 2)))
-        p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "rescan"}
+        per_thread = 64 if self._key_bits(problem) == 32 else 32
+        row_threads = min(32, pow2_ceil(-(-vectors * vec // per_thread)))
+        p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "bitonic"}
         return self.first_valid(problem, target, p, (
+            {"row_threads": min(32, pow2_ceil(-(-vectors // 2)))}, {"select": "rescan"},
             {"row_threads": min(32, pow2_ceil(-(-vectors // 8)))}, {"row_threads": 32}))
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
@@ -229,7 +242,7 @@ class TopkSoftmaxFamily(RowsFamily):
         base = self.default_params(problem, target)
         changes: list[dict[str, ParamValue]] = []
         for g in (1, 2, 4, 8, 16, 32):
-            for select in ("rescan", "sorted"):
+            for select in ("bitonic", "sorted", "rescan"):
                 changes.append({"row_threads": g, "select": select})
                 changes.append({"row_threads": g, "select": select, "threads": 256})
         for vec in (1, 2, 4):
