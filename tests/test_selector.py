@@ -184,3 +184,15 @@ def test_the_tree_survives_json_and_refuses_a_tampered_one():
                 {"feature": 3, "threshold": 1.0}, [1, 2]):
         with pytest.raises(ValueError):
             node_from_json(bad, 2)
+
+
+def test_the_report_has_a_line_per_selector_of_the_families_asked_for(tmp_path):
+    from autosoft.report import selector_lines
+    from helpers import make_selector
+
+    cache = Cache(tmp_path / "k.sqlite")
+    assert selector_lines(cache.path) == [] and selector_lines(tmp_path / "missing.sqlite") == []
+    cache.put_selector(make_selector([SHORT, LONG], tree=Split("columns", 2048.0, Leaf((0, 1)), Leaf((1, 0)))))
+    line = "selector softmax on NVIDIA H200 (sm_90, NVRTC 13.x): 2 configurations, 3 shapes fitted, tree depth 1"
+    assert selector_lines(cache.path) == [line]
+    assert selector_lines(cache.path, ["attention"]) == []
