@@ -196,3 +196,27 @@ def test_the_report_has_a_line_per_selector_of_the_families_asked_for(tmp_path):
     line = "selector softmax on NVIDIA H200 (sm_90, NVRTC 13.x): 2 configurations, 3 shapes fitted, tree depth 1"
     assert selector_lines(cache.path) == [line]
     assert selector_lines(cache.path, ["attention"]) == []
+
+
+def test_the_held_out_shapes_are_enough_valid_and_none_is_tuned_by_the_benchmarks():
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import attention as attention_bench
+        import softmax as softmax_bench
+    finally:
+        sys.path.remove(str(bench))
+    data = json.loads((bench / "heldout_shapes.json").read_text())
+    tuned_rows = {(m, n) for m, n in softmax_bench.SWEEP}
+    for name, least in (("softmax", 30), ("softmax_backward", 30), ("attention", 20)):
+        family = get_family(name)
+        problems = [family.problem(r["shape"], r["dtype"], r["options"]) for r in data[name]]
+        assert len(set(problems)) == len(problems) >= least, name
+        if name == "attention":
+            assert not {p.shape for p in problems} & set(attention_bench.SHAPES)
+        else:
+            assert not {p.shape for p in problems} & tuned_rows
+            assert min(p.shape[0] for p in problems) <= 4 and max(p.shape[0] for p in problems) >= 100000
