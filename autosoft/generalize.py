@@ -39,7 +39,7 @@ class Fitted:
         there (1.0: the tree picks the best; the first of its ranking that serves the shape)."""
         out = []
         for s in self.samples:
-            served = [s.times[i] for i in predict(self.selector.tree, s.features) if s.times[i] is not None]
+            served = [t for t in (s.times[i] for i in predict(self.selector.tree, s.features)) if t is not None]
             best = min((t for t in s.times if t is not None), default=None)
             if served and best is not None:
                 out.append(best / served[0])
@@ -167,7 +167,7 @@ def fit_selector(family: Family, cache: Cache, runner: Runner, *, max_configs: i
     features = [problem_features(family, p) for p, _ in problems]
     names = tuple(features[0])
     samples = tuple(Sample(label(p), f, t) for (p, _), f, t in zip(problems, features, times))
-    served = [s for s in samples if any(t is not None for t in s.times)]
+    served = tuple(s for s in samples if any(t is not None for t in s.times))
     if not served:
         raise RuntimeError(f"no configuration of the {family.name} selector ran correctly on any tuned shape")
     tree = fit_tree(served, names, len(configs))
