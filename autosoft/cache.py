@@ -23,10 +23,23 @@ from typing import Any, Iterator, Mapping
 
 from .errors import CacheWarning, UserError, one_line
 from .files import sqlite_header_problem
+from .selector import Selector, node_from_json, node_to_json
 
 SCHEMA_VERSION = 1
 APP_ID = "autosoft-cache"
 CACHE_FILE = "kernels.sqlite"
+
+# Added after schema 1 without a new version: a file without it reads as one without selectors, and an
+# older autosoft ignores it. Keyed by NVRTC major, not version: a selector serves its whole major.
+_SELECTORS_TABLE = """
+CREATE TABLE IF NOT EXISTS selectors (
+    family TEXT NOT NULL, gpu_name TEXT NOT NULL, compute_capability TEXT NOT NULL, cuda_major TEXT NOT NULL,
+    template_digest TEXT NOT NULL, space_digest TEXT NOT NULL, cuda_version TEXT NOT NULL,
+    configs TEXT NOT NULL, features TEXT NOT NULL, tree TEXT NOT NULL, shapes TEXT NOT NULL,
+    autosoft_version TEXT NOT NULL, created REAL NOT NULL,
+    PRIMARY KEY (family, gpu_name, compute_capability, cuda_major, template_digest, space_digest)
+);
+"""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -45,7 +58,7 @@ CREATE TABLE IF NOT EXISTS trials (
     variant_name TEXT NOT NULL, params TEXT NOT NULL, status TEXT NOT NULL,
     time_us REAL, message TEXT NOT NULL, created REAL NOT NULL
 );
-"""
+""" + _SELECTORS_TABLE
 
 _KEY_FIELDS = ("family", "dtype", "shape", "gpu_name", "compute_capability", "cuda_version",
                "template_digest", "space_digest")
@@ -265,6 +278,84 @@ class Cache:
     def trials(self) -> Iterator[sqlite3.Row]:
         with closing(self._connect(readonly=True)) as conn:
             yield from conn.execute("SELECT * FROM trials ORDER BY created").fetchall()
+
+    # -- selectors (selector.py: what serves a shape nobody tuned) ------------------------
+    def put_selector(self, selector: Selector) -> None:
+        """Store a selector, replacing the one of the same family, GPU, NVRTC major and digests
+        (a refit is the newer knowledge). The table is made here in a file that predates it."""
+        row = _selector_row(selector)
+        cols = ", ".join(row)
+        with self._writing() as conn:
+            conn.executescript(_SELECTORS_TABLE)
+            conn.execute(f"INSERT OR REPLACE INTO selectors ({cols}) VALUES ({', '.join(':' + c for c in row)})", row)
+
+    def selectors(self) -> list[Selector]:
+        """The well-formed selectors (none in a file without the table); a malformed row is skipped
+        with a CacheWarning naming it."""
+        try:
+            with closing(self._connect(readonly=True)) as conn:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+                if "selectors" not in tables:
+                    return []
+                rows = conn.execute("SELECT rowid AS _rowid, * FROM selectors "
+                                    "ORDER BY family, gpu_name, cuda_major, created").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise UserError(f"cache {self.path}: unreadable selectors ({one_line(exc)}); "
+                            "the file was left as it is; use another --cache") from None
+        out = []
+        for row in rows:
+            try:
+                out.append(_selector_from_row(row))
+            except (ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+                warnings.warn(f"cache {self.path}: skipped the malformed selector at rowid {row['_rowid']}: "
+                              f"{one_line(exc)[:120]}", CacheWarning, stacklevel=2)
+        return out
+
+    def merge(self, other: "Cache") -> tuple[int, int]:
+        """Take another cache file's entries (each unless a faster one of its key is here) and
+        selectors (each replacing this file's of the same key only when newer). Returns how many
+        of each were written; the other file is only read."""
+        stored = sum(self.put(e) for e in other.entries())
+        mine = {_selector_key(s): s.created for s in self.selectors()}
+        taken = 0
+        for s in other.selectors():
+            if s.created > mine.get(_selector_key(s), -math.inf):
+                self.put_selector(s)
+                taken += 1
+        return stored, taken
+
+
+def _selector_key(s: Selector) -> tuple[str, ...]:
+    return (s.family, s.gpu_name, s.compute_capability, s.cuda_major, s.template_digest, s.space_digest)
+
+
+def _selector_row(s: Selector) -> dict[str, Any]:
+    return {"family": s.family, "gpu_name": s.gpu_name, "compute_capability": s.compute_capability,
+            "cuda_major": s.cuda_major, "template_digest": s.template_digest, "space_digest": s.space_digest,
+            "cuda_version": s.cuda_version, "configs": json.dumps([dict(c) for c in s.configs], sort_keys=True),
+            "features": json.dumps(list(s.features)), "tree": json.dumps(node_to_json(s.tree)),
+            "shapes": json.dumps(list(s.shapes)), "autosoft_version": s.autosoft_version, "created": s.created}
+
+
+def _selector_from_row(row: sqlite3.Row) -> Selector:
+    configs = json.loads(row["configs"])
+    features = json.loads(row["features"])
+    shapes = json.loads(row["shapes"])
+    if not isinstance(configs, list) or not configs or not all(isinstance(c, dict) for c in configs):
+        raise ValueError("configs is not a list of mappings")
+    if not all(isinstance(x, str) for x in (*features, *shapes)):
+        raise ValueError("features or shapes are not lists of names")
+    texts = {c: row[c] for c in ("family", "gpu_name", "compute_capability", "cuda_major", "template_digest",
+                                 "space_digest", "cuda_version", "autosoft_version")}
+    if not all(isinstance(v, str) for v in texts.values()) or texts["cuda_version"].split(".")[0] != texts["cuda_major"]:
+        raise ValueError("a key field is not text, or the NVRTC version is not of its major")
+    created = row["created"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise ValueError("created is not a number")
+    return Selector(texts["family"], texts["gpu_name"], texts["compute_capability"], texts["cuda_version"],
+                    texts["template_digest"], texts["space_digest"], tuple(configs), tuple(features),
+                    node_from_json(json.loads(row["tree"]), len(configs)), tuple(shapes),
+                    texts["autosoft_version"], float(created))
 
 
 def _entry_fields(entry: Entry) -> dict[str, Any]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -115,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
         problem_args(p, family, many=True)
         tune_args(p, family)
 
+    generalize = sub.add_parser(
+        "generalize", help="fit a family's selector for shapes nobody tuned, from its tuned shapes on this GPU",
+        description="From the family's entries and recorded trials in the cache on this GPU: choose a few "
+                    "configurations (a greedy cover of the tuned shapes), time each on every tuned shape, and fit a "
+                    "decision tree over the shape's features. Dispatch uses it for a shape with no exact entry, "
+                    "verified before first use. Needs the GPU and at least 3 tuned shapes of the family.")
+    generalize.add_argument("family", choices=list(families()), metavar="FAMILY",
+                            help="one of " + ", ".join(families()))
+    generalize.add_argument("--max-configs", type=int, default=10,
+                            help="configurations the selector may choose between (default 10)")
+    cache_arg(generalize)
+
     lst = sub.add_parser("list", help="show the entries of a cache file, or the results in a study storage")
     lst.add_argument("--storage", default=None, metavar="URL",
                      help="show the results a batch tune wrote in this storage (with the host that tuned each)")
@@ -215,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # first (tune): an AUTOSOFT_CACHE_DIR naming a file is a mistake to hear of at once
             default_cache_path()
             code = {"tune": cmd_tune, "list": cmd_list, "export": cmd_export, "render": cmd_render,
-                    "report": cmd_report, "collect": cmd_collect, "native": cmd_native}[args.command](args)
+                    "report": cmd_report, "collect": cmd_collect, "native": cmd_native,
+                    "generalize": cmd_generalize}[args.command](args)
             if sys.stdout is not None:
                 sys.stdout.flush()  # a reader that went away shows here, where it is caught, not at exit
             return code
@@ -490,6 +504,40 @@ def _tune_one(args: argparse.Namespace, problem: Problem, watchdog: Watchdog) ->
     return 0
 
 
+def cmd_generalize(args: argparse.Namespace) -> int:
+    """Fit and store the family's selector. The cache's own checks come before the GPU's, so a
+    cache without enough shapes says so on any machine; nothing stored is changed on an error."""
+    from .generalize import MIN_SHAPES, family_shapes, fit_selector
+    from .runners import GpuRunner
+    from .runtime import device_info
+
+    family = get_family(args.family)
+    if args.max_configs < 1:
+        raise UserError(f"--max-configs must be at least 1, got {args.max_configs}")
+    path = args.cache or default_cache_path()
+    if not path.exists():
+        raise UserError(f"no cache at {path}; tune some {family.name} shapes first (autosoft tune {family.name})")
+    cache = Cache(path, create=False)
+    shapes = family_shapes(cache, family)
+    if len({(d, s) for _, d, s in shapes}) < MIN_SHAPES:
+        raise UserError(f"{path}: {len(shapes)} tuned {family.name} shape{'' if len(shapes) == 1 else 's'}; "
+                        f"a selector needs at least {MIN_SHAPES} (tune more with `autosoft tune {family.name}`)")
+    device = device_info()  # no GPU: one line, before any work
+
+    def show(n: int, total: int, what: str) -> None:
+        print(f"timed the configurations on {n}/{total} shapes ({what})", file=sys.stderr)
+
+    with GpuRunner() as runner:
+        fitted = fit_selector(family, cache, runner, max_configs=args.max_configs, progress=show)
+    ratios = fitted.training_ratios()
+    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
+    print(fitted.selector.summary())
+    print(f"on the fitted shapes its pick runs at {100 * geomean:.1f}% of the best configuration's speed "
+          f"(geometric mean; worst {100 * min(ratios, default=float('nan')):.1f}%)")
+    print(f"stored in {path} (on {device.name}); `autosoft list` shows it")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     """Entries sorted by family, dtype, shape (dimensions as numbers), GPU; each with the NVRTC
     version that tuned it and whether it would serve on this machine: "exact" (this GPU and
@@ -540,6 +588,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{e.key.family:9} {e.key.dtype:9} {e.key.shape:14} {e.key.gpu_name[:22]:22} "
               f"{e.key.compute_capability:4} {e.key.cuda_version:6} {serves(e):10} {e.time_us:10.2f} {pct}  "
               f"{e.variant_name}")
+    for selector in Cache(path, create=False).selectors():
+        print(selector.summary())
     return 0
 
 

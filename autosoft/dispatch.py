@@ -1,11 +1,14 @@
 """From a call like autosoft.softmax(x) to a launch: pick the variant, keep it loaded, run it.
 
 Choice, in order, among entries of the same family, dtype, GPU and digests: tuned with this
-NVRTC version for this exact shape; with this NVRTC for the nearest shape whose params are
-valid for this shape; tuned with another NVRTC of the same major version (13.0 here on 13.5),
-exact shape, then nearest; else the family's heuristic default. Another major version is never
-used. Only the first is trusted as it is: any other choice is rebuilt from its params, compiled
-with the local NVRTC and verified on this shape before its first use.
+NVRTC version for this exact shape; the family's selector (selector.py), fitted on this GPU with
+this NVRTC major and these digests, its first configuration valid for this shape; with this
+NVRTC for the nearest shape whose params are valid for this shape; tuned with another NVRTC of
+the same major version (13.0 here on 13.5), exact shape, then nearest; else the family's
+heuristic default. Another major version is never used. Only the first is trusted as it is: any
+other choice is rebuilt from its params, compiled with the local NVRTC and verified on this
+shape before its first use. A selector's pick that fails to compile or verify gives way to the
+choice that would have come without the selector (nearest, then default), verified in its turn.
 
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
@@ -18,31 +21,35 @@ from __future__ import annotations
 import math
 import re
 import threading
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from .cache import Cache, CacheKey, Entry, default_cache_path
 from .compile import nvrtc_version
-from .errors import UserError
+from .errors import CacheWarning, UserError
 from .evaluate import verify
 from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
 from .kernel_store import KernelStore, default_store
 from .problems import record
 from .runtime import DeviceInfo, LoadedVariant, device_info
+from .selector import Selector, problem_features
 
 TUNED = "tuned"
+SELECTOR = "selector"
 _VERSION = re.compile(r"^(\d+)\.(\d+)$")
 
 
 @dataclass(frozen=True)
 class Choice:
     variant: Variant
-    # "tuned", "nearest <shape>", "tuned with NVRTC 13.0", "nearest <shape>, tuned with NVRTC 13.0"
-    # or "default"
+    # "tuned", "selector (config 2 of 7)", "nearest <shape>", "tuned with NVRTC 13.0",
+    # "nearest <shape>, tuned with NVRTC 13.0" or "default"
     source: str
-    entry: Entry | None = None  # the cache entry whose params were taken; None for the default
+    entry: Entry | None = None  # the cache entry whose params were taken; None for a selector or the default
+    fallback: "Choice | None" = None  # a selector's pick: what serves when the pick fails its check
 
     @property
     def trusted(self) -> bool:
@@ -60,6 +67,7 @@ class Dispatcher:
         self._lock = threading.RLock()  # _prepare reads entries() while holding it
         self._extra_files: list[Path] = []
         self._entries: list[Entry] | None = None
+        self._selectors: list[Selector] | None = None
         self._loaded: dict[tuple, LoadedVariant] = {}
         # the API's hot path (arrays.call_family): (family, options, scalar names, each array's
         # dtype, shape and device) -> the call's prepared plan
@@ -76,6 +84,7 @@ class Dispatcher:
         with self._lock:
             self._extra_files.insert(0, cache.path)
             self._entries = None
+            self._selectors = None
             self._loaded.clear()
             self.fast.clear()
             self._cleared()
@@ -93,10 +102,24 @@ class Dispatcher:
                 self._entries = entries
             return self._entries
 
+    def selectors(self) -> list[Selector]:
+        """The selectors of the same files as entries(), a file loaded later first."""
+        with self._lock:
+            if self._selectors is None:
+                found: list[Selector] = []
+                for path in self._extra_files:
+                    found += Cache(path, create=False).selectors()
+                default = default_cache_path()
+                if default.exists():
+                    found += Cache(default, create=False).selectors()
+                self._selectors = found
+            return self._selectors
+
     def forget(self) -> None:
         """Drop the in-memory caches (the files stay); the next call reads the files again."""
         with self._lock:
             self._entries = None
+            self._selectors = None
             self._loaded.clear()
             self.fast.clear()
             self._cleared()
@@ -123,6 +146,17 @@ class Dispatcher:
         target = device_info().target
         key = cache_key(problem, device_info())
         usable = [e for e in self.entries() if nvrtc_match(e.key, key) is not None]
+        exact = [e for e in usable if nvrtc_match(e.key, key) == EXACT_NVRTC and e.key.shape == key.shape]
+        if exact:
+            best = min(exact, key=lambda e: e.time_us)
+            return Choice(build_variant(family, problem, best.params, target), TUNED, best)
+        borrowed = self._borrowed(family, problem, key, target, usable)
+        return self._selector_choice(family, problem, key, target, borrowed) or borrowed
+
+    def _borrowed(self, family: Family, problem: Problem, key: CacheKey, target: Target,
+                  usable: list[Entry]) -> Choice:
+        """The choice without an exact entry of this NVRTC and without a selector: the nearest
+        valid shape of this NVRTC, the exact or nearest shape of its major version, the default."""
         for match in (EXACT_NVRTC, SAME_MAJOR):
             candidates = [e for e in usable if nvrtc_match(e.key, key) == match]
             gap = {id(e): _minor_gap(e.key.cuda_version, key.cuda_version) for e in candidates}  # nearest minor first
@@ -139,6 +173,22 @@ class Dispatcher:
                     continue  # invalid for this shape
                 return Choice(variant, _source(entry, key, match), entry)
         return Choice(build_variant(family, problem, family.default_params(problem, target), target), "default")
+
+    def _selector_choice(self, family: Family, problem: Problem, key: CacheKey, target: Target,
+                         fallback: Choice) -> Choice | None:
+        """The pick of the family's selector fitted on this GPU, NVRTC major and digests: the first
+        configuration of its ranking for this shape that is valid here; None without one."""
+        selector = find_selector(self.selectors(), key)
+        if selector is None:
+            return None
+        ranking = selector.ranking(problem_features(family, problem))
+        for index in ranking:
+            try:
+                variant = build_variant(family, problem, selector.configs[index], target)
+            except UserError:
+                continue  # invalid for this shape: the next of the leaf's ranking
+            return Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, fallback)
+        return None
 
     def loaded(self, problem: Problem, device_index: int) -> LoadedVariant:
         key = (problem, device_index)
@@ -159,12 +209,34 @@ class Dispatcher:
         choice = self.choose(problem)
         if choice.entry is None or choice.entry.key.shape != problem.shape_text:
             record(problem)  # no entry tuned for this exact problem: AUTOSOFT_RECORD notes it
-        variant = choice.variant
-        cubin = _compile_or_fail(variant, store)
-        if not choice.trusted and not store.is_verified(variant):
-            _verify_on_shape(variant, store)
-            store.mark_verified(variant)
-        return LoadedVariant(variant, cubin)
+        try:
+            return _load_checked(choice, store)
+        except RuntimeError as exc:
+            if choice.fallback is None:
+                raise
+            warnings.warn(f"autosoft: the selector's pick for {problem.family} {problem.shape_text} {problem.dtype} "
+                          f"failed ({exc}); using {choice.fallback.source} instead", CacheWarning, stacklevel=2)
+            return _load_checked(choice.fallback, store)
+
+
+def _load_checked(choice: Choice, store: KernelStore) -> LoadedVariant:
+    """The choice's kernel, compiled on a store miss, verified first unless trusted or verified before."""
+    variant = choice.variant
+    cubin = _compile_or_fail(variant, store)
+    if not choice.trusted and not store.is_verified(variant):
+        _verify_on_shape(variant, store)
+        store.mark_verified(variant)
+    return LoadedVariant(variant, cubin)
+
+
+def find_selector(selectors: list[Selector], key: CacheKey) -> Selector | None:
+    """The selector that may serve `key`'s problem: same family, GPU, compute capability, NVRTC
+    major and digests (the first such, a file loaded later first; the newest of one file)."""
+    fitting = [s for s in selectors
+               if (s.family, s.gpu_name, s.compute_capability, s.template_digest, s.space_digest)
+               == (key.family, key.gpu_name, key.compute_capability, key.template_digest, key.space_digest)
+               and _same_major(s.cuda_version, key.cuda_version)]
+    return fitting[0] if fitting else None
 
 
 def _compile_or_fail(variant: Variant, store: KernelStore) -> bytes:

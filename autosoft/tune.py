@@ -6,7 +6,9 @@ trials. tune_problem() is the pipeline that tune() and a batch worker (batch.py)
 the parts below, in order:
 
 - open_study: the Optuna study beside the cache file, fresh or resumed, over the valid points
-  (the runner's recorded points, for a replay);
+  (the runner's recorded points, for a replay), its first points the default, what the cache
+  already knows (warm_start_points: the family selector's pick and the winners of the nearest
+  tuned shapes) and the family's seeds;
 - measure_default: the family's default first; it sets the watchdog and the baseline;
 - run_trials: the evaluation loop, search <-> runner, keeping `runner.depth` candidates in flight;
 - Ledger: the bookkeeping of each finished trial (study, trial log, best, progress);
@@ -26,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._version import __version__
 from .cache import Cache, Entry
-from .dispatch import cache_key
+from .dispatch import _shape_distance, cache_key, find_selector, nvrtc_match
 from .errors import UserError
 from .evaluate import Outcome, Status
 from .families import get_family
@@ -34,12 +36,14 @@ from .families.base import Family, Problem, Target, Variant, build_variant, spac
 from .runners import GpuRunner, Pending, Runner
 from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
+from .selector import problem_features
 from .space import ParamValue
 from .storage import default_storage_url, interrupts_held
 from .worker import Watchdog
 
 _WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
 FINALISTS = 4  # fastest distinct variants of a search that are timed again side by side
+WARM_NEAREST = 3  # tuned shapes nearest a new one whose winners a warm-started tune tries first
 
 
 @dataclass(frozen=True)
@@ -96,21 +100,22 @@ ProgressFn = Callable[[int, int, "Measured | None", "Measured"], None]
 
 def tune(family: Family | str, problem: Problem, trials: int, cache: Cache, *, runner: Runner | None = None,
          seed: int = 0, progress: ProgressFn | None = None, resume: bool = False,
-         watchdog: Watchdog = Watchdog(), workers: int | None = None) -> TuneReport:
+         watchdog: Watchdog = Watchdog(), workers: int | None = None, warm_start: bool = True) -> TuneReport:
     """Tune one problem: `trials` evaluations (the default's included), the finalists re-timed
     side by side, the winner stored in `cache` unless a faster entry is there.
 
     runner: how candidates are evaluated. By default a GpuRunner with `workers` compiler
     processes, made for this call and closed after it; a caller tuning many problems passes
     its own runner to reuse it (and closes it). resume: continue this problem's study instead
-    of starting afresh; its finished trials are not evaluated again.
+    of starting afresh; its finished trials are not evaluated again. warm_start: try what the
+    cache knows first (warm_start_points); off, the search starts from the family's seeds alone.
     """
     family = get_family(family) if isinstance(family, str) else family
     own_runner = runner is None
     runner = runner if runner is not None else GpuRunner(workers=workers)
     try:
         return tune_problem(family, problem, trials, cache, runner, seed=seed, resume=resume, watchdog=watchdog,
-                            progress=progress)
+                            progress=progress, warm_start=warm_start)
     finally:
         if own_runner:
             runner.close()
@@ -129,7 +134,7 @@ class SharedStudy:
 
 def tune_problem(family: Family, problem: Problem, trials: int, cache: Cache, runner: Runner, *, seed: int = 0,
                  resume: bool = False, watchdog: Watchdog = Watchdog(), progress: ProgressFn | None = None,
-                 shared: SharedStudy | None = None) -> TuneReport:
+                 shared: SharedStudy | None = None, warm_start: bool = True) -> TuneReport:
     """The tuning pipeline, which tune() and a batch worker both run: the study, the default, the
     trials, the finalists re-timed side by side, the copy time and the peak, the cache entry.
 
@@ -142,7 +147,7 @@ def tune_problem(family: Family, problem: Problem, trials: int, cache: Cache, ru
     restarts_before = runner.restarts
     search = open_study(family, problem, device, cache, runner, seed=seed, resume=resume,
                         storage=shared.storage if shared else None, worker=shared.worker if shared else None,
-                        is_live=shared.is_live if shared else None)
+                        is_live=shared.is_live if shared else None, warm_start=warm_start)
     ledger = Ledger(search, cache, problem, device, trials, progress,
                     default_params=family.default_params(problem, target),
                     resumed=resumed_trials(search, family, problem, target))
@@ -230,12 +235,14 @@ def valid_points(family: Family, problem: Problem, target: Target,
 
 def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cache, runner: Runner, *,
                seed: int, resume: bool, storage: Any = None, worker: str | None = None,
-               is_live: Callable[[str], bool] | None = None) -> Search:
+               is_live: Callable[[str], bool] | None = None, warm_start: bool = True) -> Search:
     """The search over the problem's valid points, its Optuna study in `storage` (an Optuna
     storage or URL; by default the SQLite file beside the cache) under a name that holds
     everything of the cache key. Without `resume` an earlier study of that name is deleted
     first; with it, the study's finished points are never proposed again. `worker` and
-    `is_live` share the study with other workers (see search.Search).
+    `is_live` share the study with other workers (see search.Search). The seeds, tried first in
+    this order: the default, with `warm_start` the cache's knowledge (warm_start_points), then the
+    family's own seeds, each point once.
     Raises ValueError when there is no valid point (for a replay: none recorded is still valid)."""
     target = device.target
     valid = valid_points(family, problem, target, runner.candidates(family, problem))
@@ -243,9 +250,53 @@ def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cach
     name = study_name(family, problem, device)
     if not resume:
         _delete_study(storage, name)
-    return Search(space_of(family), valid,
-                  seeds=[family.default_params(problem, target), *family.seed_params(problem, target)],
+    warm = warm_start_points(family, problem, device, cache) if warm_start else []
+    return Search(space_of(family), valid, seeds=seed_order(family.default_params(problem, target), warm,
+                                                             family.seed_params(problem, target)),
                   seed=seed, storage=storage, study_name=name, worker=worker, is_live=is_live)
+
+
+def seed_order(default: Mapping[str, ParamValue], warm: Sequence[Mapping[str, ParamValue]],
+               seeds: Sequence[Mapping[str, ParamValue]]) -> list[dict[str, ParamValue]]:
+    """The points a study tries first: the default, the warm start, the family's seeds, each once."""
+    out: list[dict[str, ParamValue]] = []
+    for point in (default, *warm, *seeds):
+        if dict(point) not in out:
+            out.append(dict(point))
+    return out
+
+
+def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cache: Cache) -> list[dict[str, ParamValue]]:
+    """What the cache knows for a problem, as points to try first: the pick of the family's
+    selector for this GPU and NVRTC major (the first configuration of its ranking valid here),
+    then the winners of the WARM_NEAREST tuned shapes nearest this one (same dtype, GPU, NVRTC
+    major and digests; the family's problem_distance) that are valid here. Each once."""
+    target = device.target
+    key = cache_key(problem, device, family)
+    space = space_of(family)
+    out: list[dict[str, ParamValue]] = []
+
+    def valid(params: Mapping[str, Any]) -> dict[str, ParamValue] | None:
+        try:
+            checked = space.check_values(params)
+        except UserError:
+            return None  # a value the space no longer declares
+        return checked if family.is_valid(problem, target, checked) else None
+
+    selector = find_selector(cache.selectors(), key)
+    if selector is not None:
+        for index in selector.ranking(problem_features(family, problem)):
+            pick = valid(selector.configs[index])
+            if pick is not None:
+                out.append(pick)
+                break
+    entries = [e for e in cache.entries() if nvrtc_match(e.key, key) is not None]
+    ranked = sorted(((_shape_distance(family, e.key, key), e.time_us, i) for i, e in enumerate(entries)))
+    for distance, _, i in [r for r in ranked if r[0] < float("inf")][:WARM_NEAREST]:
+        point = valid(entries[i].params)
+        if point is not None and point not in out:
+            out.append(point)
+    return out
 
 
 def resumed_trials(search: Search, family: Family, problem: Problem, target: Target) -> list[Measured]:

@@ -43,6 +43,22 @@ def make_entry(key=None, time_us: float = 10.0, params: dict[str, Any] | None = 
     return Entry(key=key, **values)
 
 
+def make_selector(configs: list[dict[str, Any]], tree: Any = None, key=None, **fields: Any):
+    """A softmax Selector fitted (so it says) for `key`'s GPU, NVRTC and digests; by default its
+    tree is one leaf ranking the configurations in the order given."""
+    from autosoft.selector import Leaf, Selector
+
+    key = key or softmax_key()
+    values = dict(family=key.family, gpu_name=key.gpu_name, compute_capability=key.compute_capability,
+                  cuda_version=key.cuda_version, template_digest=key.template_digest, space_digest=key.space_digest,
+                  configs=tuple(configs), features=("rows", "columns", "bytes_per_row", "dtype_size", "log"),
+                  tree=tree if tree is not None else Leaf(tuple(range(len(configs)))),
+                  shapes=("float32 256x512", "float32 512x1024", "float32 64x65536"),
+                  autosoft_version="0.1.0", created=1_700_000_000.0)
+    values.update(fields)
+    return Selector(**values)
+
+
 def cli_env(cache_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -427,3 +427,69 @@ def test_concurrent_writers_lose_no_entry(concurrent_run):
         assert got == expected, f"round {r}: lost {sorted(expected - got)}"
         trials = {json.loads(t["params"])["w"] for t in cache.trials()}
         assert trials == {i for i, _ in expected}
+
+
+# --- selectors: stored with the entries, carried by merge ---------------------------------------------
+
+def _selector(**fields):
+    from helpers import make_selector
+    from autosoft.selector import Leaf, Split
+
+    short = make_entry(softmax_key("64x512")).params
+    tree = Split("columns", 2048.0, Leaf((0, 1)), Leaf((1, 0)))
+    return make_selector([dict(short), {**short, "unroll": 2}], tree=tree, **fields)
+
+
+def test_a_selector_round_trips_and_a_refit_replaces_it(tmp_path):
+    cache = Cache(tmp_path / "k.sqlite")
+    assert cache.selectors() == []
+    selector = _selector()
+    cache.put_selector(selector)
+    assert Cache(cache.path).selectors() == [selector]
+    refit = replace(selector, created=selector.created + 60, shapes=("float32 1x1",) * 4)
+    cache.put_selector(refit)
+    assert cache.selectors() == [refit], "one selector per family, GPU, NVRTC major and digests"
+    other_major = replace(selector, cuda_version="12.8")
+    cache.put_selector(other_major)
+    assert len(cache.selectors()) == 2
+    cache.put(make_entry(time_us=3.0))
+    assert len(cache.selectors()) == 2, "storing entries keeps the selectors"
+
+
+def test_a_file_made_before_the_selectors_table_reads_as_none_and_takes_one(tmp_path):
+    path = tmp_path / "old.sqlite"
+    Cache(path).put(make_entry())
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE selectors")
+    cache = Cache(path)
+    assert cache.selectors() == []
+    cache.put_selector(_selector())
+    assert cache.selectors() == [_selector()] and len(cache.entries()) == 1
+
+
+def test_a_malformed_selector_row_is_skipped_with_a_warning(tmp_path):
+    cache = Cache(tmp_path / "k.sqlite")
+    cache.put_selector(_selector())
+    cache.put_selector(_selector(gpu_name="NVIDIA A100"))
+    with sqlite3.connect(cache.path) as conn:
+        conn.execute("UPDATE selectors SET tree = ? WHERE gpu_name = 'NVIDIA A100'", (json.dumps({"ranking": [7]}),))
+    with pytest.warns(CacheWarning, match="k.sqlite: skipped the malformed selector at rowid"):
+        kept = cache.selectors()
+    assert [s.gpu_name for s in kept] == ["NVIDIA H200"]
+
+
+def test_merge_takes_entries_and_newer_selectors_and_only_reads_the_other_file(tmp_path):
+    mine, theirs = Cache(tmp_path / "mine.sqlite"), Cache(tmp_path / "theirs.sqlite")
+    old, new = _selector(), _selector(created=1_800_000_000.0)
+    mine.put_selector(new)
+    theirs.put_selector(old)
+    theirs.put_selector(_selector(gpu_name="NVIDIA A100"))
+    theirs.put(make_entry(softmax_key("64x512"), time_us=2.0))
+    before = _sha(theirs.path)
+    assert mine.merge(theirs) == (1, 1)
+    assert sorted((s.gpu_name, s.created) for s in mine.selectors()) == [("NVIDIA A100", old.created),
+                                                                          ("NVIDIA H200", new.created)]
+    assert [e.key.shape for e in mine.entries()] == ["64x512"]
+    assert _sha(theirs.path) == before
+    assert theirs.merge(mine) == (0, 1), "the newer selector goes the other way"
+    assert {s.created for s in theirs.selectors() if s.gpu_name == "NVIDIA H200"} == {new.created}

@@ -50,6 +50,9 @@ ERROR_CASES = {
     "tune_bad_dtype": ["tune", "softmax", "--shape", "64x64", "--dtype", "half"],
     "export_bad_shape": ["export", "softmax", "--shape", "0x5", "-o", "out.cu"],
     "export_unknown_family": ["export", "nope", "--shape", "4x5", "-o", "out.cu"],
+    "generalize_unknown_family": ["generalize", "softmaxx"],
+    "generalize_max_configs_zero": ["generalize", "softmax", "--max-configs", "0"],
+    "generalize_without_a_cache": ["generalize", "softmax"],
 }
 
 
@@ -387,6 +390,7 @@ CACHE_DIR_COMMANDS = {  # every command, in each form that reaches the cache dif
     "report": ["report", "-o", "r"],
     "report_storage": ["report", "--storage", "sqlite:///{studies}", "-o", "r"],
     "native": ["native"],
+    "generalize": ["generalize", "softmax"],
 }
 
 
@@ -695,3 +699,46 @@ def test_each_family_brings_its_own_options_and_dtypes(tmp_path):
     result = run_cli(["render", "softmax", "--shape", "4x8", "--causal"], tmp_path / "cache")
     line = _assert_user_error(result, tmp_path / "cache")
     assert "--causal" in line and "autosoft render softmax --help" in line
+
+
+# --- generalize: the selector's command ------------------------------------------------------------
+
+def _tuned(cache_dir: Path, shapes: list[str]) -> Cache:
+    cache = Cache(cache_dir / "kernels.sqlite")
+    for shape in shapes:
+        cache.put(make_entry(softmax_key(shape)))
+    return cache
+
+
+def test_generalize_with_too_few_tuned_shapes_is_one_line_and_changes_nothing(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache = _tuned(cache_dir, ["256x512", "64x65536"])
+    before = cache.path.read_bytes()
+    result = run_cli(["generalize", "softmax"], cache_dir)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "2 tuned softmax shapes" in result.stderr and "at least 3" in result.stderr
+    assert cache.path.read_bytes() == before
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a CUDA device")
+def test_generalize_without_a_device_is_one_line_and_changes_nothing(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache = _tuned(cache_dir, ["256x512", "512x1024", "64x65536"])
+    before = cache.path.read_bytes()
+    result = run_cli(["generalize", "softmax", "--max-configs", "4"], cache_dir)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "CUDA" in result.stderr or "GPU" in result.stderr
+    assert cache.path.read_bytes() == before and result.stdout == ""
+
+
+def test_list_shows_a_line_per_selector(tmp_path):
+    from helpers import make_selector
+
+    cache_dir = tmp_path / "cache"
+    cache = _tuned(cache_dir, ["256x512"])
+    params = make_entry(softmax_key("256x512")).params
+    cache.put_selector(make_selector([dict(params), {**params, "unroll": 2}]))
+    result = run_cli(["list"], cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert ("selector softmax on NVIDIA H200 (sm_90, NVRTC 13.x): 2 configurations, 3 shapes fitted, tree depth 0"
+            in result.stdout.splitlines())

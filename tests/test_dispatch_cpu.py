@@ -356,3 +356,85 @@ def test_a_kernel_that_does_not_compile_is_a_runtime_error(loading, monkeypatch)
                         lambda source, arch, name="k": CompileResult(False, b"", "kernel.cu(1): error: bad"))
     with pytest.raises(RuntimeError, match="does not compile: kernel.cu\\(1\\): error: bad"):
         Dispatcher().loaded(Problem("softmax", "float32", (64, 1000)), 0)
+
+
+# --- the family's selector: before borrowing, verified, with the nearest entry behind it ------------
+
+from autosoft.selector import Leaf, Split  # noqa: E402
+
+from helpers import make_selector  # noqa: E402
+
+SHORT = _params("64x512")  # valid on short rows only
+LONG = _params("64x65536", threads=1024, row_threads=1024, unroll=2, storage="reread", normalise="online", split=1)
+
+
+def _store_selector(cache_dir, **key_changes):
+    """A selector of SHORT (rows of up to 2048) and LONG (longer rows) for the H200, beside an entry
+    of a nearby shape tuned with other params."""
+    cache = Cache(cache_dir / "kernels.sqlite")
+    cache.put(make_entry(_key("4096x8192"), params=_params("4096x8192", streaming=True)))
+    tree = Split("columns", 2048.0, Leaf((0, 1)), Leaf((1, 0)))
+    cache.put_selector(make_selector([SHORT, LONG], tree=tree, key=_key("4096x8192", **key_changes)))
+    return cache
+
+
+def test_the_selector_serves_an_untuned_shape_before_the_nearest_entry(device, cache_dir):
+    _store_selector(cache_dir)
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 20000)))
+    assert choice.source == "selector (config 1 of 2)" and not choice.trusted
+    assert dict(choice.variant.params) == LONG
+    assert choice.fallback.source == "nearest 4096x8192"
+    short = Dispatcher().choose(Problem("softmax", "float32", (300, 700)))
+    assert dict(short.variant.params) == SHORT
+
+
+def test_an_exact_entry_comes_before_the_selector(device, cache_dir):
+    _store_selector(cache_dir)
+    choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 8192)))
+    assert choice.source == "tuned" and choice.fallback is None
+
+
+def test_the_next_configuration_of_the_leaf_serves_where_the_first_is_invalid(device, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    cache.put_selector(make_selector([LONG, SHORT], key=_key("4096x8192")))  # one leaf: LONG first
+    choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))  # LONG is invalid on 700
+    assert choice.source == "selector (config 1 of 2)" and dict(choice.variant.params) == SHORT
+    assert choice.fallback.source == "default"
+
+
+@pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("cuda_version", "12.8"),
+                                          ("template_digest", "0" * 64), ("compute_capability", "80")])
+def test_a_selector_of_another_gpu_nvrtc_major_or_template_is_never_used(device, cache_dir, field, value):
+    _store_selector(cache_dir, **{field: value})
+    assert Dispatcher().choose(Problem("softmax", "float32", (4096, 20000))).source == "nearest 4096x8192"
+
+
+def test_a_selector_of_another_minor_version_serves(device_13_5, cache_dir):
+    _store_selector(cache_dir)  # fitted with 13.0; this machine has 13.5
+    assert Dispatcher().choose(Problem("softmax", "float32", (4096, 20000))).source.startswith("selector")
+
+
+def test_the_selector_pick_is_verified_once_before_its_first_use(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    loaded = Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
+    assert dict(loaded.variant.params) == LONG
+    assert loading["verify"] == [(256, 20000)]
+    _fresh_process(monkeypatch)
+    Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
+    assert loading["verify"] == [(256, 20000)], "its verification is recorded in the store"
+
+
+def test_a_selector_pick_that_fails_verification_gives_way_to_the_nearest_entry(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    checked = []
+
+    def wrong_for_long(family, loaded, seed):
+        checked.append(dict(loaded.variant.params))
+        return "normal inputs: 3 elements wrong" if loaded.variant.params["storage"] == "reread" else None
+
+    monkeypatch.setattr(dispatch, "verify", wrong_for_long)
+    with pytest.warns(autosoft.errors.CacheWarning, match="selector's pick .* failed .* using nearest 4096x8192"):
+        loaded = Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
+    nearest = _params("4096x8192", streaming=True)
+    assert dict(loaded.variant.params) == nearest
+    assert checked == [LONG, nearest], "the nearest entry is verified too before it serves"

@@ -105,3 +105,82 @@ def test_tune_and_a_batch_worker_run_one_pipeline(tmp_path, monkeypatch):
     assert (entry.variant_name, entry.time_us, entry.default_time_us) == \
         (alone.entry.variant_name, alone.entry.time_us, alone.entry.default_time_us)
     assert result["entry"]["variant_name"] == entry.variant_name and result["trials"] == 12
+
+
+# --- warm starts: what the cache knows is tried first ---------------------------------------------
+
+from autosoft.runners import Runner  # noqa: E402
+from autosoft.tune import open_study, seed_order, warm_start_points  # noqa: E402
+
+from helpers import make_entry, make_selector, softmax_key  # noqa: E402
+
+H200 = DeviceInfo(0, Target(arch="90", name="NVIDIA H200", sm_count=132, smem_optin=227 * 1024), "13.0")
+SOFTMAX = get_family("softmax")
+PROBLEM = Problem("softmax", "float32", (4096, 20000))  # nobody tuned it
+DEFAULT = SOFTMAX.default_params(PROBLEM, H200.target)
+PICK = {**DEFAULT, "threads": 1024, "row_threads": 1024, "unroll": 2, "storage": "reread", "normalise": "online"}
+NEAR = {**DEFAULT, "streaming": True}
+NEXT = {**DEFAULT, "vec": 2}
+SHORT_ONLY = SOFTMAX.default_params(SOFTMAX.problem("64x512"), H200.target)  # invalid on rows of 20000
+
+
+def _warm_cache(path):
+    cache = Cache(path)
+    cache.put(make_entry(softmax_key("4096x16384"), time_us=5.0, params=NEAR))
+    cache.put(make_entry(softmax_key("2048x32768"), time_us=5.0, params=NEXT))
+    cache.put(make_entry(softmax_key("4096x512"), time_us=1.0, params=SHORT_ONLY))  # near enough, invalid here
+    cache.put(make_entry(softmax_key("1x1"), time_us=1.0, params=PICK))  # farther than the three above
+    cache.put(make_entry(softmax_key("4096x20000", gpu_name="NVIDIA A100"), params={**DEFAULT, "unroll": 4}))
+    cache.put_selector(make_selector([SHORT_ONLY, PICK]))  # one leaf: SHORT_ONLY first, invalid here
+    return cache
+
+
+def test_warm_start_points_are_the_selector_pick_then_the_nearest_valid_winners(tmp_path):
+    cache = _warm_cache(tmp_path / "k.sqlite")
+    for p in (PICK, NEAR, NEXT):
+        assert SOFTMAX.is_valid(PROBLEM, H200.target, p)
+    assert warm_start_points(SOFTMAX, PROBLEM, H200, cache) == [PICK, NEAR, NEXT]
+    assert warm_start_points(SOFTMAX, PROBLEM, H200, Cache(tmp_path / "empty.sqlite")) == []
+
+
+def test_seed_order_puts_the_warm_start_between_the_default_and_the_seeds_each_once():
+    a, b, c = {"x": 1}, {"x": 2}, {"x": 3}
+    assert seed_order(a, [b, a, b], [c, b]) == [a, b, c]
+
+
+class _Points(Runner):
+    """A runner double that can evaluate only the points it lists (as a replay can): the study's
+    order of proposals is what is under test, nothing is evaluated."""
+
+    def __init__(self, points):
+        self.points = points
+
+    @property
+    def device(self):
+        return H200
+
+    def candidates(self, family, problem):
+        return [dict(p) for p in self.points]
+
+    def evaluate(self, family, variant, seed, timeout_s):
+        raise AssertionError("nothing is evaluated here")
+
+    def time_side_by_side(self, family, variants, timeout_s):
+        raise AssertionError("nothing is timed here")
+
+    def time_copy(self, nbytes_each_way):
+        raise AssertionError("nothing is timed here")
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_warm_started_study_proposes_the_cache_knowledge_right_after_the_default(tmp_path, warm):
+    cache = _warm_cache(tmp_path / "k.sqlite")
+    seeds = SOFTMAX.seed_params(PROBLEM, H200.target)
+    runner = _Points([DEFAULT, *seeds, NEXT, NEAR, PICK])
+    search = open_study(SOFTMAX, PROBLEM, H200, cache, runner, seed=0, resume=False, warm_start=warm)
+    asked = [search.ask().params for _ in range(4)]
+    if warm:
+        assert asked == [DEFAULT, PICK, NEAR, NEXT]
+    else:
+        assert asked[:2] == [DEFAULT, *[s for s in seeds if s != DEFAULT][:1]]
+        assert PICK not in asked[:1 + len(seeds)]

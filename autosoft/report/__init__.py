@@ -10,14 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..cache import default_cache_path
+from ..cache import Cache, default_cache_path
 from ..errors import UserError, one_line
 from .analysis import Analysis, analyse
 from .figures import PNG_KINDS, png_bandwidth, png_per_problem, png_tflops
 from .loading import load_runs, read_bench
 from .page import render_page, summary_rows
 
-__all__ = ["PNG_KINDS", "ReportResult", "analyse", "build_report", "load_runs", "read_bench", "summary_rows"]
+__all__ = ["PNG_KINDS", "ReportResult", "analyse", "build_report", "load_runs", "read_bench", "selector_lines",
+           "summary_rows"]
 
 
 INSTALL_HINT = "pip install 'autosoft[report]'"
@@ -60,6 +61,8 @@ def build_report(out: Path, *, cache_path: Path | None = None, storage_url: str 
     check_output_dir(out)
     refs = read_bench(bench)
     runs = load_runs(cache_path, storage_url, families=families, shapes=shapes, dtypes=dtypes)
+    selectors = selector_lines(cache_path if cache_path is not None or storage_url is not None
+                               else default_cache_path(), families)
     analyses = [analyse(r, refs) for r in runs]
     source = " + ".join(x for x in (f"cache {cache_path}" if cache_path else "",
                                     f"storage {storage_url}" if storage_url else "") if x) or \
@@ -69,13 +72,22 @@ def build_report(out: Path, *, cache_path: Path | None = None, storage_url: str 
     matplotlib.use("Agg", force=True)  # files only: never a display
 
     try:
-        return _write_report(out, analyses, source, start)
+        return _write_report(out, analyses, source, start, selectors)
     except OSError as exc:  # an unwritable place (/proc, a read-only folder) or a full disk
         raise UserError(f"-o {out}: cannot write the report there ({exc.strerror or one_line(exc)}"
                         f"{': ' + str(exc.filename) if exc.filename else ''})") from None
 
 
-def _write_report(out: Path, analyses: Sequence[Analysis], source: str, start: float) -> ReportResult:
+def selector_lines(cache_path: Path | None, families: Sequence[str] = ()) -> list[str]:
+    """One line per selector in the cache (autosoft generalize): its family, GPU, NVRTC major,
+    configurations, shapes fitted and tree depth; none without a cache file."""
+    if cache_path is None or not Path(cache_path).is_file():
+        return []
+    return [s.summary() for s in Cache(cache_path, create=False).selectors() if not families or s.family in families]
+
+
+def _write_report(out: Path, analyses: Sequence[Analysis], source: str, start: float,
+                  selectors: Sequence[str] = ()) -> ReportResult:
     """The PNGs and the page, each written whole (a temporary file, then a rename)."""
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -99,7 +111,7 @@ def _write_report(out: Path, analyses: Sequence[Analysis], source: str, start: f
             tmp.unlink(missing_ok=True)
         written.append(path)
         names.append(name)
-    page = render_page(analyses, source, names)
+    page = render_page(analyses, source, names, selectors)
     tmp = out / f".index.{os.getpid()}.html"  # open() honours the umask, as the PNGs do
     try:
         tmp.write_text(page, encoding="utf-8")

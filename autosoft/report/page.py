@@ -66,7 +66,7 @@ def _div(fig: dict[str, Any], div_id: str) -> str:
                        config={"displaylogo": False})
 
 
-def render_page(analyses: Sequence[Analysis], source: str, pngs: Sequence[str]) -> str:
+def render_page(analyses: Sequence[Analysis], source: str, pngs: Sequence[str], selectors: Sequence[str] = ()) -> str:
     from plotly.offline import get_plotlyjs
 
     parts = [f"<h1>autosoft report</h1><p class=note>{html.escape(source)} · {len(analyses)} problems · "
@@ -77,6 +77,10 @@ def render_page(analyses: Sequence[Analysis], source: str, pngs: Sequence[str]) 
              "trial's own evaluation and the finalists' re-timing: an approximation). Time: the stored entry "
              "(the finalists re-timed side by side), else the best trial. % of copy: a device-to-device copy of "
              "the same bytes, timed in the same tune, over the kernel time.</p>",
+             "<h2>Selectors</h2>",
+             ("<ul id=selectors>" + "".join(f"<li>{html.escape(line)}</li>" for line in selectors) + "</ul>"
+              if selectors else "<p class=note>no selector in the cache (autosoft generalize FAMILY fits one): "
+                                "an untuned shape borrows the nearest tuned entry</p>"),
              "<h2>Across problems</h2>"]
     memory = [a for a in analyses if a.memory_bound and a.nbytes]
     for dtype in sorted({a.run.dtype for a in memory}):

@@ -1,0 +1,206 @@
+"""Shapes nobody tuned: the family's selector against a 40-trial tune and today's nearest-shape dispatch,
+and warm-started tunes against cold ones, on the held-out shapes of benchmarks/heldout_shapes.json.
+
+    autosoft generalize softmax --cache sweep.sqlite                       # fit the selector first
+    python benchmarks/generalize.py --cache sweep.sqlite --family softmax --shapes 0:6 --out gen.json
+    python benchmarks/generalize.py --cache sweep.sqlite --family softmax --shapes 0:6 --warm-start --out gen.json
+
+For each held-out shape (the slice --shapes i:j of the family's list):
+(a) reference: a cold tune (no warm start) of --trials trials into <out stem>-reference.sqlite, never
+    into --cache, whose per-trial times are kept;
+(b) the selector's pick and the nearest tuned entry (what dispatch served before selectors: the
+    pick's fallback) are verified and timed on the shape beside the reference's winner, side by
+    side; each ratio is the reference's time over the other's (1.0: as fast as the tune);
+(c) with --warm-start: a tune of the same trials that starts from what --cache knows (a copy of
+    it, so --cache is never written), and the trials each tune took to come within 1% of the
+    better of the two final bests (a tune that never does counts trials + 1, marked censored).
+Results go to --out after every shape; a shape's parts already there are skipped, so a run
+split by --shapes or cut by a time limit is continued by running it again. The summary (the
+geomean and worst ratios, the median trials saved) is printed from everything in --out.
+Targets (issue 44): selector >= 0.95 of the tune (geomean), >= 0.85 (worst), >= 1.0x nearest on every
+shape; warm start: median trials to 1% at least 35% fewer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autosoft.cache import Cache  # noqa: E402
+from autosoft.dispatch import SELECTOR, Dispatcher, cache_key, find_selector  # noqa: E402
+from autosoft.families import get_family  # noqa: E402
+from autosoft.families.base import Family, Problem, Variant, build_variant  # noqa: E402
+from autosoft.runners import GpuRunner, Runner  # noqa: E402
+from autosoft.tune import TuneReport, evaluation_launches, tune  # noqa: E402
+from autosoft.worker import Watchdog  # noqa: E402
+
+from provenance import commit  # noqa: E402
+
+HELDOUT = Path(__file__).resolve().parent / "heldout_shapes.json"
+
+
+def heldout(family: Family) -> list[Problem]:
+    rows = json.loads(HELDOUT.read_text())[family.name]
+    return [family.problem(r["shape"], r["dtype"], r.get("options", {})) for r in rows]
+
+
+def label(problem: Problem) -> str:
+    return f"{problem.dtype} {problem.shape_text}"
+
+
+def trial_times(report: TuneReport) -> list[float | None]:
+    return [m.outcome.time_us if m.outcome.ok else None for m in report.trials]
+
+
+def trials_to(times: list[float | None], target: float) -> tuple[int, bool]:
+    """1-based index of the first trial at or under target; (len + 1, True) when none is."""
+    for i, t in enumerate(times):
+        if t is not None and t <= target:
+            return i + 1, False
+    return len(times) + 1, True
+
+
+def timed_side_by_side(family: Family, runner: Runner, variants: dict[str, Variant], timeout_s: float) -> dict[str, Any]:
+    """Each variant verified and timed on the full shape, then the correct ones re-timed side by side."""
+    out: dict[str, Any] = {}
+    distinct: dict[str, Variant] = {}
+    for name, v in variants.items():
+        outcome = runner.evaluate(family, v, 0, timeout_s)
+        out[name] = {"variant": v.name, "params": dict(v.params), "status": outcome.status.value,
+                     "time_us": outcome.time_us}
+        if outcome.ok:
+            distinct[name] = v
+    if len(distinct) >= 2:
+        again = runner.time_side_by_side(family, list(distinct.values()), timeout_s * len(distinct))
+        if again is not None:
+            for name, t in zip(distinct, again):
+                out[name]["time_us"] = t
+    return out
+
+
+def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner: Runner, record: dict[str, Any],
+              reference: Cache, scratch: Path) -> None:
+    device = runner.device
+    if "reference" not in record:
+        report = tune(family, problem, args.trials, reference, runner=runner, seed=args.seed, warm_start=False)
+        if report.best is None:
+            record["reference"] = {"error": "no correct variant"}
+            return
+        record["reference"] = {"time_us": report.best.outcome.time_us, "params": dict(report.best.variant.params),
+                               "trial_times": trial_times(report)}
+    ref = record["reference"]
+    if "error" in ref:
+        return
+    if "dispatch" not in record:
+        dispatcher = Dispatcher()
+        dispatcher.load_cache(args.cache)
+        choice = dispatcher.choose(problem)
+        nearest = choice.fallback if choice.source.startswith(SELECTOR) else choice
+        variants = {"reference": build_variant(family, problem, ref["params"], device.target), "nearest": nearest.variant}
+        if choice.source.startswith(SELECTOR):
+            variants["selector"] = choice.variant
+        timeout_s = Watchdog().limit(ref["time_us"], evaluation_launches(family))
+        timed = timed_side_by_side(family, runner, variants, timeout_s)
+        timed["selector_source"] = choice.source
+        timed["nearest_source"] = nearest.source
+        record["dispatch"] = timed
+    if args.warm_start and "warm" not in record:
+        warm_cache = scratch / f"warm-{os.getpid()}.sqlite"
+        shutil.copyfile(args.cache, warm_cache)
+        try:
+            report = tune(family, problem, args.trials, Cache(warm_cache), runner=runner, seed=args.seed,
+                          warm_start=True)
+        finally:
+            for leftover in scratch.glob(f"warm-{os.getpid()}*"):
+                leftover.unlink()
+        cold_times = ref["trial_times"]
+        warm_times = trial_times(report)
+        best = min(t for t in (*cold_times, *warm_times) if t is not None)
+        cold, cold_censored = trials_to(cold_times, 1.01 * best)
+        warm, warm_censored = trials_to(warm_times, 1.01 * best)
+        record["warm"] = {"trial_times": warm_times, "best_us": best, "cold_trials_to_1pct": cold,
+                          "cold_censored": cold_censored, "warm_trials_to_1pct": warm, "warm_censored": warm_censored}
+
+
+def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
+    sel, near, sel_vs_near, saved = [], [], [], []
+    for name, r in records.items():
+        d = r.get("dispatch")
+        if d and d["reference"]["time_us"]:
+            ref = d["reference"]["time_us"]
+            speed = {k: (ref / d[k]["time_us"] if d.get(k, {}).get("time_us") else 0.0) for k in ("selector", "nearest")}
+            if "selector" in d:
+                sel.append((speed["selector"], name))
+                sel_vs_near.append((speed["selector"] / speed["nearest"] if speed["nearest"] else math.inf, name))
+            near.append((speed["nearest"], name))
+        w = r.get("warm")
+        if w:
+            saved.append((1 - w["warm_trials_to_1pct"] / w["cold_trials_to_1pct"], name))
+
+    def geomean(pairs: list[tuple[float, str]]) -> float | None:
+        values = [v for v, _ in pairs]
+        return math.exp(statistics.fmean(math.log(max(v, 1e-9)) for v in values)) if values else None
+
+    return {"family": family, "shapes": len(records),
+            "selector_geomean": geomean(sel), "selector_worst": min(sel, default=None),
+            "nearest_geomean": geomean(near), "nearest_worst": min(near, default=None),
+            "selector_vs_nearest_worst": min(sel_vs_near, default=None),
+            "shapes_without_selector_pick": len(near) - len(sel),
+            "warm_median_fewer_trials": statistics.median(v for v, _ in saved) if saved else None,
+            "warm_worst": min(saved, default=None)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, required=True, help="the tuned cache holding the family's selector")
+    parser.add_argument("--family", required=True, choices=("softmax", "softmax_backward", "attention"))
+    parser.add_argument("--shapes", default=":", metavar="I:J", help="slice of the family's held-out shapes")
+    parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-start", action="store_true", help="also tune each shape warm-started (part c)")
+    parser.add_argument("--out", type=Path, required=True, help="results JSON, read first and continued")
+    args = parser.parse_args()
+    family = get_family(args.family)
+    if not args.cache.is_file():
+        sys.exit(f"generalize.py: no cache at {args.cache}")
+    start, _, stop = args.shapes.partition(":")
+    problems = heldout(family)[slice(int(start) if start else None, int(stop) if stop else None)]
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    records = results.setdefault("families", {}).setdefault(family.name, {})
+    reference = Cache(args.out.with_name(args.out.stem + "-reference.sqlite"))
+    with GpuRunner() as runner, tempfile.TemporaryDirectory() as scratch:
+        key = cache_key(problems[0], runner.device, family) if problems else None
+        if key is not None and find_selector(Cache(args.cache, create=False).selectors(), key) is None:
+            sys.exit(f"generalize.py: no {family.name} selector for {runner.device.name} in {args.cache}; "
+                     f"run `autosoft generalize {family.name} --cache {args.cache}` first")
+        results.update(commit=commit(), gpu=runner.device.name, nvrtc=runner.device.cuda_version)
+        for problem in problems:
+            record = records.setdefault(label(problem), {})
+            started = time.perf_counter()
+            run_shape(family, problem, args, runner, record, reference, Path(scratch))
+            write(args.out, results)
+            print(f"{family.name} {label(problem)}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    results.setdefault("summary", {})[family.name] = summary(family.name, records)
+    write(args.out, results)
+    print(json.dumps(results["summary"][family.name], indent=1))
+    return 0
+
+
+def write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""GPU tier: a selector fitted on a few quickly tuned softmax shapes serves an untuned shape, its
+pick verified on the device first; the public function's output is then right."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autosoft.cache import Cache
+from autosoft.dispatch import DISPATCHER, SELECTOR, Dispatcher
+from autosoft.families import get_family
+from autosoft.families.base import Problem
+from autosoft.generalize import fit_selector
+from autosoft.runners import GpuRunner
+from autosoft.tune import tune
+
+pytestmark = pytest.mark.gpu
+
+TUNED = [(256, 512), (1024, 2048), (64, 16384), (16, 65536)]
+UNTUNED = Problem("softmax", "float32", (500, 24000))
+
+
+def test_a_fitted_selector_serves_and_verifies_an_untuned_shape(cache_dir):
+    import cupy as cp
+
+    import autosoft
+
+    family = get_family("softmax")
+    cache = Cache(cache_dir / "kernels.sqlite")
+    with GpuRunner() as runner:
+        for shape in TUNED:
+            report = tune(family, Problem("softmax", "float32", shape), 8, cache, runner=runner, seed=1)
+            assert report.stored
+        fitted = fit_selector(family, cache, runner, max_configs=4)
+    selector = fitted.selector
+    assert 1 <= len(selector.configs) <= 4 and len(selector.shapes) == len(TUNED)
+    assert cache.selectors() == [selector]
+    assert min(fitted.training_ratios()) > 0.5, "the tree picks a configuration near the best on its own shapes"
+
+    dispatcher = Dispatcher()
+    choice = dispatcher.choose(UNTUNED)
+    assert choice.source.startswith(SELECTOR), choice.source
+    assert choice.fallback is not None and choice.fallback.source.startswith("nearest")
+    store = dispatcher.store
+    loaded = dispatcher.loaded(UNTUNED, 0)
+    assert dict(loaded.variant.params) == dict(choice.variant.params)
+    assert store.is_verified(loaded.variant), "the pick was verified on the device before its first use"
+
+    DISPATCHER.forget()  # the public function reads the cache again: earlier tests may have read it
+    x = cp.random.standard_normal(UNTUNED.shape, dtype=cp.float32)
+    y = autosoft.softmax(x)
+    expected = np.exp(cp.asnumpy(x) - cp.asnumpy(x).max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(cp.asnumpy(y), expected, rtol=1e-4, atol=1e-6)
