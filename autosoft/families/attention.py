@@ -231,6 +231,16 @@ class AttentionFamily(Family):
             return math.inf
         return sum(abs(math.log2(x) - math.log2(y)) * w for x, y, w in zip(a[:3], b[:3], (1, 1, 4)))
 
+    def selector_features(self, problem: Problem) -> dict[str, float]:
+        """What a selector (autosoft/selector.py) splits attention problems on: the heads of the
+        batch, queries, keys, head dim, the mask and cap, and the query heads per KV head."""
+        b, h, n, d = problem.shape
+        kv_heads, kv_len = _kv(problem)
+        return {"bh": float(b * h), "nq": float(n), "nkv": float(kv_len), "d": float(d),
+                "causal": float(bool(problem.option("causal", False))),
+                "window": float(problem.option("window_left") is not None or problem.option("window_right") is not None),
+                "softcap": float(problem.option("softcap") is not None), "gqa": float(h // kv_heads)}
+
     def problem_distance(self, a: Problem, b: Problem) -> float:
         """The shapes' distance plus log2 steps between keys per query (kv_len / N, weighing as N does), for
         problems of one mask, cap and group size (query heads per KV head); else never."""
