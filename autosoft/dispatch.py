@@ -140,21 +140,25 @@ class Dispatcher:
                 return Choice(variant, _source(entry, key, match), entry)
         return Choice(build_variant(family, problem, family.default_params(problem, target), target), "default")
 
-    def loaded(self, problem: Problem, device_index: int) -> LoadedVariant:
-        key = (problem, device_index)
+    def loaded(self, problem: Problem, device_index: int,
+               load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
+        """The problem's variant loaded on the current device (device_index). load(variant, cubin):
+        how (runtime.load_for_torch: through cuda-bindings, no CuPy); default LoadedVariant, CuPy's."""
+        key = (problem, device_index, load)
         found = self._loaded.get(key)
         if found is not None:
             return found
         with self._lock:
             found = self._loaded.get(key)
             if found is None:
-                found = self._prepare(problem)
+                found = self._prepare(problem, load)
                 self._loaded[key] = found
         return found
 
-    def _prepare(self, problem: Problem) -> LoadedVariant:
+    def _prepare(self, problem: Problem, load: Callable[[Variant, bytes], LoadedVariant] | None = None
+                 ) -> LoadedVariant:
         """Choose, take the cubin from the store (NVRTC only on a miss), verify an untrusted
-        choice unless its digest was verified before on this kind of GPU, load."""
+        choice unless its digest was verified before on this kind of GPU (through CuPy), load."""
         store = self.store
         choice = self.choose(problem)
         if choice.entry is None or choice.entry.key.shape != problem.shape_text:
@@ -164,7 +168,7 @@ class Dispatcher:
         if not choice.trusted and not store.is_verified(variant):
             _verify_on_shape(variant, store)
             store.mark_verified(variant)
-        return LoadedVariant(variant, cubin)
+        return (load or LoadedVariant)(variant, cubin)
 
 
 def _compile_or_fail(variant: Variant, store: KernelStore) -> bytes:
