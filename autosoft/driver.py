@@ -41,7 +41,7 @@ def cu() -> Any:
     try:
         status, = driver.cuInit(0)
     except Exception as exc:  # noqa: BLE001 - the bindings raise when libcuda cannot be loaded
-        raise NoDeviceError(f"no CUDA driver: {one_line(exc)}; run this on a machine with an NVIDIA GPU") from None
+        raise NoDeviceError(f"no CUDA device: {one_line(exc)}; run this on a machine with an NVIDIA GPU") from None
     if status != driver.CUresult.CUDA_SUCCESS:
         raise NoDeviceError(f"no CUDA device: cuInit: {_error_name(status)}; run this on a machine with an NVIDIA GPU")
     return driver
