@@ -8,7 +8,12 @@ inputs contiguous and aligned as the kernels need, allocate the outputs in the c
 framework, launch the dispatched variant on the caller's current stream, return the outputs.
 A call whose family, options and array signatures were seen before takes the plan prepared for
 them (kept in DISPATCHER.fast, which load_cache and forget clear): the per-call work is the
-output allocation and one launch.
+output allocation and one launch, into argument slots built with the plan.
+
+Torch tensors are launched through cuda-bindings (runtime.load_for_torch) on torch's current
+stream, in the device's primary context: with a warm kernel store a torch process never imports
+CuPy. CuPy is imported for CuPy arrays and other DLPack producers, and on the torch path only to
+compile a kernel the store lacks or to verify a choice not tuned for this very problem.
 """
 from __future__ import annotations
 

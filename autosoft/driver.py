@@ -134,7 +134,7 @@ def device_properties(device: int) -> dict[str, Any]:
 
     name = check("cuDeviceGetName", driver.cuDeviceGetName(256, handle))
     return {
-        "name": name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name),
+        "name": (name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)).strip(),
         "major": get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
         "minor": get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
         "sm_count": get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
@@ -193,7 +193,8 @@ class Bindings:
     def zeros(self, nbytes: int, device: int) -> tuple[Any, int]:
         """Zeroed device memory for a workspace, from torch on its current stream (the stream the
         plan launches on), which also makes it part of a CUDA graph being captured there."""
-        torch = sys.modules["torch"]
+        import torch  # loaded: this driver serves torch tensors
+
         held = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
         return held, held.data_ptr()
 
