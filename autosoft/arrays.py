@@ -8,7 +8,12 @@ inputs contiguous and aligned as the kernels need, allocate the outputs in the c
 framework, launch the dispatched variant on the caller's current stream, return the outputs.
 A call whose family, options and array signatures were seen before takes the plan prepared for
 them (kept in DISPATCHER.fast, which load_cache and forget clear): the per-call work is the
-output allocation and one launch.
+output allocation and one launch, into argument slots built with the plan.
+
+Torch tensors are launched through cuda-bindings (runtime.load_for_torch) on torch's current
+stream, in the device's primary context: with a warm kernel store a torch process never imports
+CuPy. CuPy is imported for CuPy arrays and other DLPack producers, and on the torch path only to
+compile a kernel the store lacks or to verify a choice not tuned for this very problem.
 """
 from __future__ import annotations
 
@@ -208,7 +213,10 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     stride_names = tuple(f"{array_names[i]}_stride{d}" for i in strided for d in range(len(shapes[array_names[i]]) - 1))
     launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names + stride_names,
                                                  scalar_names + stride_names)
-    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays), strided)
+    # a signature fixes the first input's shape and dtype: whether the first output matches them
+    # (softmax's) is known now, not asked at each call
+    like_first = next(iter(outputs.values())) == (shapes[array_names[0]], dtype) if array_names[0] in shapes else False
+    return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays), strided, like_first)
 
 
 def check_dtypes(who: str, family: Family, given: Sequence[tuple[str, str, str | None]]) -> str:
@@ -243,14 +251,15 @@ class _Framework:
     def stream(self, device: int) -> int: ...
 
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
-             align: int, n_arrays: int, strided: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
+             align: int, n_arrays: int, strided: tuple[int, ...] = (), like_first: bool = False
+             ) -> Callable[..., tuple[Any, ...]]:
         """plan(arrays, scalar_values) -> outputs, for calls with `n_arrays` input arrays: each input
         made contiguous and `align`-ed (a copy only where it is not), outputs allocated sharing the
         first input's address mod 16, one launch on the device's current stream. The inputs at the
         indices `strided` (the family's strided_inputs) are taken as they are where their last
         dimension is contiguous and their address and other strides are `align`-ed, and their
-        strides (elements, but the last) are passed after the scalars. The generic form;
-        frameworks may specialise it."""
+        strides (elements, but the last) are passed after the scalars. like_first: the first
+        output has the first input's shape and dtype. The generic form; frameworks may specialise it."""
         fix, ptr, empty, stream = self.fix, self.ptr, self.empty, self.stream
         fix_strided, strides_of = self.fix_strided, self.strides
 
@@ -299,10 +308,23 @@ class _Framework:
         return out
 
     def loaded(self, problem: Problem, device: int) -> Any:
+        """The problem's variant loaded on `device` for this framework's arrays (through CuPy)."""
         from .runtime import cupy_module
 
         with cupy_module().cuda.Device(device):
             return DISPATCHER.loaded(problem, device)
+
+
+def torch_loaded(problem: Problem, device: int) -> Any:
+    """The problem's variant loaded on `device` for torch tensors: through cuda-bindings on the
+    device's primary context (torch's), so a warm kernel store never imports CuPy (CuPy is
+    imported only to compile on a cold store's miss, or to verify a choice that was not tuned
+    for this very problem). For a family that launches by itself (cross_entropy)."""
+    from .runtime import load_for_torch
+
+    torch = sys.modules["torch"]
+    with torch.cuda.device(device):  # the device's context current: the dispatcher asks which GPU
+        return DISPATCHER.loaded(problem, device, load_for_torch)
 
 
 class _TorchArrays(_Framework):
@@ -313,10 +335,14 @@ class _TorchArrays(_Framework):
         # the raw handle without building a torch Stream object (Triton reads it the same way)
         self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
 
+    def loaded(self, problem: Problem, device: int) -> Any:
+        return torch_loaded(problem, device)
+
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
-             align: int, n_arrays: int, strided: tuple[int, ...] = ()) -> Callable[..., tuple[Any, ...]]:
+             align: int, n_arrays: int, strided: tuple[int, ...] = (), like_first: bool = False
+             ) -> Callable[..., tuple[Any, ...]]:
         """The generic plan with the torch calls written out: this is autosoft.softmax's hot path,
-        where every call into torch costs a few hundred nanoseconds."""
+        where every call into torch costs a hundred nanoseconds or more."""
         torch = self.torch
         empty, empty_like, contiguous = torch.empty, torch.empty_like, torch.contiguous_format
         where = torch.device("cuda", device)
@@ -335,13 +361,15 @@ class _TorchArrays(_Framework):
                 if given is not None and check_out(given, specs[0], device, x):
                     launch(x, given.data_ptr(), *scalars, stream(device))
                     return (given,)
-                out = empty_like(a) if a.dtype == out_dtype and a.shape == out_shape else \
-                    empty(out_shape, dtype=out_dtype, device=where)
+                out = empty_like(a) if like_first else empty(out_shape, dtype=out_dtype, device=where)
                 y = out.data_ptr()
                 if (y - x) % VEC_ALIGN:
                     out = realign(out, x % VEC_ALIGN)
                     y = out.data_ptr()
-                launch(x, y, *scalars, stream(device))
+                if scalars:
+                    launch(x, y, *scalars, stream(device))
+                else:  # softmax's: no argument tuple to unpack
+                    launch(x, y, stream(device))
                 return (out,) if given is None else (given.copy_(out),)
 
             native = getattr(launch, "native", None)

@@ -41,9 +41,24 @@ class CompileResult:
 def nvrtc_version() -> str:
     """The local NVRTC's version, e.g. "13.0": part of every variant digest and cache key.
 
-    Cached: a process asks for it once per variant it dispatches, and it cannot change."""
-    major, minor = _nvrtc().getVersion()
+    Asked of cuda-bindings where it is installed: CuPy's binding imports CuPy to find libnvrtc,
+    which a torch process reading a warm kernel store would pay for nothing. Both find the same
+    library (cuda-pathfinder). Cached: a process asks once per variant it dispatches."""
+    found = _bindings_nvrtc_version()
+    major, minor = found if found is not None else _nvrtc().getVersion()
     return f"{major}.{minor}"
+
+
+def _bindings_nvrtc_version() -> tuple[int, int] | None:
+    """(major, minor) from cuda-bindings' NVRTC; None where it is not installed or finds no
+    libnvrtc (CuPy's binding then says what to install)."""
+    try:
+        from cuda.bindings import nvrtc
+
+        status, major, minor = nvrtc.nvrtcVersion()
+    except Exception:  # noqa: BLE001 - not installed, or cuda-pathfinder's error for a missing library
+        return None
+    return (int(major), int(minor)) if status == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
 
 
 def arch_option(arch: str, source: str = "") -> str:

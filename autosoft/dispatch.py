@@ -190,43 +190,49 @@ class Dispatcher:
             return Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, fallback)
         return None
 
-    def loaded(self, problem: Problem, device_index: int) -> LoadedVariant:
-        key = (problem, device_index)
+    def loaded(self, problem: Problem, device_index: int,
+               load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
+        """The problem's variant loaded on the current device (device_index). load(variant, cubin):
+        how (runtime.load_for_torch: through cuda-bindings, no CuPy); default LoadedVariant, CuPy's."""
+        key = (problem, device_index, load)
         found = self._loaded.get(key)
         if found is not None:
             return found
         with self._lock:
             found = self._loaded.get(key)
             if found is None:
-                found = self._prepare(problem)
+                found = self._prepare(problem, load)
                 self._loaded[key] = found
         return found
 
-    def _prepare(self, problem: Problem) -> LoadedVariant:
+    def _prepare(self, problem: Problem, load: Callable[[Variant, bytes], LoadedVariant] | None = None
+                 ) -> LoadedVariant:
         """Choose, take the cubin from the store (NVRTC only on a miss), verify an untrusted
-        choice unless its digest was verified before on this kind of GPU, load."""
+        choice unless its digest was verified before on this kind of GPU (through CuPy), load."""
         store = self.store
         choice = self.choose(problem)
         if choice.entry is None or choice.entry.key.shape != problem.shape_text:
             record(problem)  # no entry tuned for this exact problem: AUTOSOFT_RECORD notes it
         try:
-            return _load_checked(choice, store)
+            return _load_checked(choice, store, load)
         except RuntimeError as exc:
             if choice.fallback is None:
                 raise
             warnings.warn(f"autosoft: the selector's pick for {problem.family} {problem.shape_text} {problem.dtype} "
                           f"failed ({exc}); using {choice.fallback.source} instead", CacheWarning, stacklevel=2)
-            return _load_checked(choice.fallback, store)
+            return _load_checked(choice.fallback, store, load)
 
 
-def _load_checked(choice: Choice, store: KernelStore) -> LoadedVariant:
-    """The choice's kernel, compiled on a store miss, verified first unless trusted or verified before."""
+def _load_checked(choice: Choice, store: KernelStore,
+                  load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
+    """The choice's kernel, compiled on a store miss, verified first unless trusted or verified
+    before, loaded by `load` (Dispatcher.loaded's)."""
     variant = choice.variant
     cubin = _compile_or_fail(variant, store)
     if not choice.trusted and not store.is_verified(variant):
         _verify_on_shape(variant, store)
         store.mark_verified(variant)
-    return LoadedVariant(variant, cubin)
+    return (load or LoadedVariant)(variant, cubin)
 
 
 def find_selector(selectors: list[Selector], key: CacheKey) -> Selector | None:

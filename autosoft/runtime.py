@@ -1,9 +1,15 @@
 """The GPU side: which device we are on, loading a compiled variant, launching it.
 
-Everything that needs a CUDA driver lives here, so the rest of the package imports without one.
+Everything that needs a CUDA driver lives here (and in driver.py), so the rest of the package
+imports without one. A variant is loaded and launched through one of two drivers behind one
+launch path (DriverBackend): CuPy's, for CuPy arrays, the tuner and the verification; or
+cuda-bindings' (driver.py), for torch tensors, so that a process that passes torch tensors to a
+warm kernel store never imports CuPy. The device's properties come from cuda-bindings where it is
+installed (torch brings it), else from CuPy.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import re
@@ -11,10 +17,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
+from . import driver as _bindings
 from .errors import NoDeviceError, one_line
 from .families.base import Launch, Target, TensorMap, Variant
 
@@ -56,12 +63,29 @@ class DeviceInfo:
         return self.target.arch
 
 
-@lru_cache(maxsize=None)
 def device_info(index: int | None = None) -> DeviceInfo:
-    cp = cupy_module()
+    """The device `index` (None: the current one) as kernels are built and keyed for it."""
+    return _device_info(current_device() if index is None else index)
+
+
+def current_device() -> int:
+    """The current device of this thread: the driver's current context (torch.cuda.device and
+    CuPy's Device both set it) through cuda-bindings where installed, else CuPy's."""
+    if _bindings.available():
+        return _bindings.current_device()
+    return int(cupy_module().cuda.runtime.getDevice())
+
+
+@lru_cache(maxsize=None)
+def _device_info(index: int) -> DeviceInfo:
     from .compile import nvrtc_version
 
-    index = cp.cuda.runtime.getDevice() if index is None else index
+    if _bindings.available():
+        props = _bindings.device_properties(index)
+        target = Target(arch=f"{props['major']}{props['minor']}", name=props["name"], sm_count=props["sm_count"],
+                        smem_optin=props["smem_optin"], l2_bytes=props["l2_bytes"])
+        return DeviceInfo(index, target, nvrtc_version())
+    cp = cupy_module()
     props = cp.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     arch = f"{props['major']}{props['minor']}"
@@ -75,31 +99,127 @@ def device_info(index: int | None = None) -> DeviceInfo:
     return DeviceInfo(index, target, nvrtc_version())
 
 
+class DriverBackend(Protocol):
+    """How a LoadedVariant reaches the driver: CupyDriver (CuPy's bindings) or driver.Bindings
+    (cuda-bindings). Functions are the handles launch_kernel takes."""
+
+    name: str
+    error: type[Exception]  # what its calls raise
+    # launch_kernel(function, gx, gy, gz, bx, by, bz, shared bytes, stream, params address, 0):
+    # cuLaunchKernel's binding itself, called on the hot path; it returns launch_ok on success,
+    # anything else is passed to failed() (or it raises `error` itself)
+    launch_kernel: Callable[..., Any]
+    launch_ok: Any
+
+    def load(self, cubin: bytes, device: int) -> Any: ...
+    def function(self, module: Any, kernel: str) -> tuple[Any, int]: ...
+    def set_attribute(self, function: Any, attribute: int, value: int) -> None: ...
+    def failed(self, call: str, status: Any) -> Exception: ...
+    def launch_cooperative(self, function: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
+                           stream: int, params: int) -> None: ...
+    def current_device(self) -> int: ...
+    def is_current(self, device: int) -> bool: ...
+    def on_device(self, device: int) -> contextlib.AbstractContextManager[Any]: ...
+    def zeros(self, nbytes: int, device: int) -> tuple[Any, int]: ...
+
+
+class CupyDriver:
+    """DriverBackend through CuPy: its Module in the current device's context, cupy_backends'
+    cuLaunchKernel, CuPy's allocator for workspaces."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        self.cp = cupy_module()
+        raw = _driver()
+        self.error = raw.CUDADriverError
+        self.launch_kernel = raw.launchKernel
+        self.launch_ok = None  # launchKernel returns nothing, and raises on failure
+
+    def load(self, cubin: bytes, device: int) -> Any:
+        with self.cp.cuda.Device(device):
+            module = self.cp.cuda.function.Module()
+            module.load(cubin)
+        return module
+
+    def function(self, module: Any, kernel: str) -> tuple[Any, int]:
+        fn = module.get_function(kernel)
+        return fn.ptr, fn.ptr
+
+    def set_attribute(self, function: Any, attribute: int, value: int) -> None:
+        self.cp.cuda.driver.funcSetAttribute(function, attribute, value)
+
+    def failed(self, call: str, status: Any) -> Exception:
+        return RuntimeError(f"{call}: returned {status!r}")  # never: launchKernel raises its own
+
+    def launch_cooperative(self, function: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
+                           stream: int, params: int) -> None:
+        _driver().launchCooperativeKernel(function, gx, gy, gz, bx, by, bz, smem, stream, params)
+
+    def current_device(self) -> int:
+        return int(self.cp.cuda.runtime.getDevice())
+
+    def is_current(self, device: int) -> bool:
+        return self.current_device() == device
+
+    def on_device(self, device: int) -> contextlib.AbstractContextManager[Any]:
+        return self.cp.cuda.Device(device)
+
+    def zeros(self, nbytes: int, device: int) -> tuple[Any, int]:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # first met inside a CUDA graph capture: allocated by torch (its allocator knows the
+            # capture; CuPy's memset on its own stream would break it) and zeroed on the
+            # capturing stream, so the graph zeroes it too; kept for that stream's later calls
+            ws = torch.zeros(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+            return ws, ws.data_ptr()
+        with self.cp.cuda.Device(device):
+            ws = self.cp.zeros(nbytes, dtype="uint8")
+        return ws, ws.data.ptr
+
+
+@lru_cache(maxsize=1)
+def cupy_driver() -> CupyDriver:
+    return CupyDriver()
+
+
+def torch_driver() -> DriverBackend:
+    """The driver torch tensors launch through: cuda-bindings where installed (no CuPy), else CuPy."""
+    return _bindings.bindings() if _bindings.available() else cupy_driver()
+
+
+def load_for_torch(variant: Variant, cubin: bytes) -> "LoadedVariant":
+    """A variant loaded for torch tensors (torch_driver): what the torch plans ask the dispatcher for."""
+    return LoadedVariant(variant, cubin, torch_driver())
+
+
 class LoadedVariant:
-    """A variant's cubin loaded into the current context, ready to launch.
+    """A variant's cubin loaded into the current device's primary context, ready to launch.
 
     Launches go straight to cuLaunchKernel with argument slots built once: the per-call cost
     is writing the buffer addresses into those slots, which keeps autosoft.softmax's host
-    overhead close to a framework's own launch.
+    overhead close to a framework's own launch. `driver`: which binding loads and launches it
+    (DriverBackend): CuPy's by default (CuPy arrays, the tuner, verification), cuda-bindings'
+    for torch tensors (load_for_torch), which never imports CuPy.
     """
 
-    def __init__(self, variant: Variant, cubin: bytes):
-        cp = cupy_module()
+    def __init__(self, variant: Variant, cubin: bytes, driver: DriverBackend | None = None):
+        self.driver = driver = driver if driver is not None else cupy_driver()
         self.variant = variant
-        self.device = cp.cuda.runtime.getDevice()
-        self._module = cp.cuda.function.Module()
-        self._module.load(cubin)
+        self.device = driver.current_device()
+        self._module = driver.load(cubin, self.device)
         self._launches = []
         for launch in variant.launches:
-            fn = self._module.get_function(launch.kernel)
+            function, address = driver.function(self._module, launch.kernel)
             # Past 48 KiB a block's shared memory (static + dynamic) needs the opt-in; the kernel's
             # static part counts too, so ask for it whenever there is dynamic shared memory.
             if launch.shared_mem > 0:
-                cp.cuda.driver.funcSetAttribute(fn.ptr, _MAX_DYNAMIC_SHARED, launch.shared_mem)
+                driver.set_attribute(function, _MAX_DYNAMIC_SHARED, launch.shared_mem)
             # sm_90 runs clusters of up to 16 blocks, but past 8 only for a kernel that opts in
+            # (the cluster's size is compiled into the kernel: its launch needs nothing more)
             if launch.non_portable_cluster:
-                cp.cuda.driver.funcSetAttribute(fn.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-            self._launches.append(_RawLaunch(fn.ptr, launch))
+                driver.set_attribute(function, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            self._launches.append(_RawLaunch(function, address, launch, driver))
         self._workspaces: dict[int, Any] = {}  # per stream: concurrent streams must not share partials
         self._lock = threading.Lock()          # argument slots are shared between calls
         self._launchers: dict[tuple, Callable[..., None]] = {}  # launch_raw's, by (names, scalar names)
@@ -168,16 +288,16 @@ class LoadedVariant:
                     raise KeyError(f"{self.variant.name}: launch {raw.kernel} needs buffer {name!r}, "
                                    f"not among {names}")
             plans.append((raw, tuple(binds)))
-        driver_error = _driver().CUDADriverError
+        driver = self.driver
+        driver_error, launch_kernel, ok, failed = driver.error, driver.launch_kernel, driver.launch_ok, driver.failed
         lock, workspace = self._lock, self._workspace
 
         def on_device(args: tuple[Any, ...], error: Exception) -> None:
-            """A launch that failed: called while another device was current, retry from ours;
-            else the error stands."""
-            cp = cupy_module()
-            if cp.cuda.runtime.getDevice() == self.device:
+            """A launch that failed: called while another device's context (or none) was current,
+            retry from ours; else the error stands."""
+            if driver.is_current(self.device):
                 raise error
-            with cp.cuda.Device(self.device):
+            with driver.on_device(self.device):
                 launch(*args)
 
         if len(plans) == 1 and not plans[0][0].cooperative and not maps:
@@ -189,31 +309,51 @@ class LoadedVariant:
             pointers = tuple((raw.slots[slot], at) for slot, at in binds if at >= 0 and names[at] not in scalars)
             values = tuple((slot, at) for slot, at in binds if at >= 0 and names[at] in scalars)
             workspaces = tuple(raw.slots[slot] for slot, at in binds if at < 0)
-            launch_kernel = _driver().launchKernel
-            function_ptr, params_ptr = raw.function_ptr, raw.params_ptr
+            function, params_ptr = raw.function, raw.params_ptr
             gx, gy, gz, bx, by, bz, smem = raw.geometry
 
-            def launch(*args: Any) -> None:
-                stream_ptr = args[-1]
-                try:
-                    with lock:
-                        for slot_object, at in pointers:
-                            slot_object.value = args[at]
-                        for slot, at in values:
-                            set_slot(slot, args[at])
-                        for slot_object in workspaces:
-                            slot_object.value = workspace(stream_ptr)
-                        launch_kernel(function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_ptr, 0)
-                    return
-                except driver_error as exc:
-                    error = exc
-                on_device(args, error)
+            if len(names) == 2 and not values and not workspaces and sorted(at for _, at in pointers) == [0, 1]:
+                # two addresses and nothing else (softmax's input and output): a fixed signature,
+                # the fewest Python steps between the plan and the driver
+                first = next(slot for slot, at in pointers if at == 0)
+                second = next(slot for slot, at in pointers if at == 1)
+
+                def launch(x: int, y: int, stream_ptr: int) -> None:
+                    try:
+                        with lock:
+                            first.value = x
+                            second.value = y
+                            status = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_ptr, 0)
+                        if status == ok:
+                            return
+                        error = failed("cuLaunchKernel", status)
+                    except driver_error as exc:  # CuPy's binding raises where cuda-bindings returns
+                        error = exc
+                    on_device((x, y, stream_ptr), error)
+            else:
+                def launch(*args: Any) -> None:  # type: ignore[misc]
+                    stream_ptr = args[-1]
+                    try:
+                        with lock:
+                            for slot_object, at in pointers:
+                                slot_object.value = args[at]
+                            for slot, at in values:
+                                set_slot(slot, args[at])
+                            for slot_object in workspaces:
+                                slot_object.value = workspace(stream_ptr)
+                            status = launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream_ptr, params_ptr, 0)
+                        if status == ok:
+                            return
+                        error = failed("cuLaunchKernel", status)
+                    except driver_error as exc:
+                        error = exc
+                    on_device(args, error)
 
             if not values and not workspaces and all(ctypes.sizeof(s) <= 8 for s in raw.slots):
                 # the same launch for compiled code to replay (autosoft.native): nothing but buffer
                 # addresses changes between calls
                 launch.native = NativeLaunch(  # type: ignore[attr-defined]
-                    function_ptr, raw.geometry, tuple(int.from_bytes(bytes(s), "little") for s in raw.slots),
+                    raw.address, raw.geometry, tuple(int.from_bytes(bytes(s), "little") for s in raw.slots),
                     tuple((slot, at) for slot, at in binds if at >= 0))
             return launch
 
@@ -261,19 +401,9 @@ class LoadedVariant:
     def _workspace(self, stream_ptr: int) -> int:
         held = self._workspaces.get(stream_ptr)
         if held is None:
-            # zeroed: a cooperative split's arrival counters start from a multiple of its split
-            nbytes = self.variant.workspace_bytes
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                # first met inside a CUDA graph capture: allocated by torch (its allocator knows the
-                # capture; CuPy's memset on its own stream would break it) and zeroed on the
-                # capturing stream, so the graph zeroes it too; kept for that stream's later calls
-                ws = torch.zeros(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
-                held = (ws, ws.data_ptr())
-            else:
-                ws = cupy_module().zeros(nbytes, dtype="uint8")
-                held = (ws, ws.data.ptr)
-            self._workspaces[stream_ptr] = held
+            # zeroed: a cooperative split's arrival counters start from a multiple of its split;
+            # allocated by the framework the driver serves, on its current stream (the launch's)
+            held = self._workspaces[stream_ptr] = self.driver.zeros(self.variant.workspace_bytes, self.device)
         return held[1]
 
 
@@ -294,9 +424,11 @@ class NativeLaunch:
 class _RawLaunch:
     """One kernel launch with its argument array prepared for cuLaunchKernel."""
 
-    def __init__(self, function_ptr: int, launch: Launch):
+    def __init__(self, function: Any, address: int, launch: Launch, driver: DriverBackend):
         self.kernel = launch.kernel
-        self.function_ptr = function_ptr
+        self.function = function  # the handle driver.launch_kernel takes
+        self.address = address    # the CUfunction as an int (autosoft.native's replay)
+        self.driver = driver
         self.cooperative = launch.cooperative
         self.geometry = (*launch.grid, *launch.block, launch.shared_mem)
         self.slots: list[Any] = []
@@ -333,10 +465,13 @@ class _RawLaunch:
 
     def start(self, stream_ptr: int) -> None:
         gx, gy, gz, bx, by, bz, smem = self.geometry
+        driver = self.driver
         if self.cooperative:  # cuLaunchKernel cannot start it
-            _driver().launchCooperativeKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr)
-        else:
-            _driver().launchKernel(self.function_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr, 0)
+            driver.launch_cooperative(self.function, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr)
+            return
+        status = driver.launch_kernel(self.function, gx, gy, gz, bx, by, bz, smem, stream_ptr, self.params_ptr, 0)
+        if status != driver.launch_ok:
+            raise driver.failed("cuLaunchKernel", status)
 
 
 def _ctype_of(value: Any) -> Any:

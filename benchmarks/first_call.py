@@ -12,8 +12,12 @@ loading the cubin, launching. Modes:
 
     cold         an empty kernel store (a new temporary folder per process): NVRTC compiles
     warm         a kernel store filled by one earlier process (not counted): no NVRTC call
-    warm+cupy    as warm, with CuPy imported before the timing: what the store saves alone
+    warm+cupy    as warm, with CuPy imported before the timing: what not importing it saves
     torch        torch.softmax(x, dim=-1), the first in its process
+
+A warm-store process loads and launches through cuda-bindings and must not import CuPy: each
+process reports whether CuPy was imported by the end, and a warm one that did makes the script
+say so and exit 1 (a cold one imports it to compile with NVRTC).
 
 Modes take turns, --reps processes each; the table gives the median, min and max. Each
 autosoft process counts its calls of autosoft.compile.compile_source (the only way to NVRTC)
@@ -94,6 +98,7 @@ def child(args: argparse.Namespace) -> None:
     result["second_call_s"] = time.perf_counter() - start
 
     result["device"] = torch.cuda.get_device_name(x.device)
+    result["cupy_imported"] = "cupy" in sys.modules
     if args.child != "torch":
         from dataclasses import asdict
 
@@ -167,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         nvrtc = "-" if mode == "torch" else "/".join(str(x["nvrtc_compiles"]) for x in samples[mode])
         print(f"{LABELS[mode]:38} {s['median'] * 1e3:10.1f} {s['min'] * 1e3:9.1f} {s['max'] * 1e3:9.1f} "
               f"{second[mode] * 1e3:12.3f} {nvrtc:>15}")
-    ok = warm_compiles == 0 and warm_store_compiles == 0
-    print(f"warm store called NVRTC: {'no' if ok else f'YES ({warm_compiles} compiles)'}; cold store compiled "
+    warm_cupy = sum(s["cupy_imported"] for s in samples["warm"])  # warm+cupy imports it on purpose
+    ok = warm_compiles == 0 and warm_store_compiles == 0 and warm_cupy == 0
+    print(f"warm store imported CuPy: {'no' if warm_cupy == 0 else f'YES ({warm_cupy} processes)'}")
+    nvrtc_free = warm_compiles == 0 and warm_store_compiles == 0
+    print(f"warm store called NVRTC: {'no' if nvrtc_free else f'YES ({warm_compiles} compiles)'}; cold store compiled "
           f"{statistics.median(cold_compiles):g} kernel(s) per process; largest error against torch "
           f"(float32) {errors:.2e}")
     if args.out:
@@ -176,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "shape": args.shape, "dtype": args.dtype, "cache": str(args.cache), "reps": args.reps,
             "device": first["device"], "nvrtc": first["nvrtc"], "choice": first["choice"],
-            "warm_store_called_nvrtc": not ok, "first_call_s": summary, "second_call_median_s": second,
+            "warm_store_called_nvrtc": not nvrtc_free, "warm_store_imported_cupy": warm_cupy > 0,
+            "first_call_s": summary, "second_call_median_s": second,
             "samples": samples, "primer": prime, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         }, indent=1))
         print(f"wrote {args.out}")

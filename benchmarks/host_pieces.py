@@ -7,7 +7,9 @@ Each piece is called 2000 times per round after 50 warm-up calls, then the GPU i
 the median of 7 rounds. The kernels take ~5 us of GPU time, so the loops are host-bound: these
 are the host's costs. "launch (pointers given)" is the plan's launch function alone (argument
 slots written, cuLaunchKernel), "plan((x,), ())" the cached plan (allocation and launch). The operator's kernel is the compiled
-one where `autosoft native` built it (AUTOSOFT_NATIVE=0: the Python one)."""
+one where `autosoft native` built it (AUTOSOFT_NATIVE=0: the Python one). The driver's cuLaunchKernel alone is timed
+through both bindings the launch path can take: cuda-bindings (torch tensors' path) and CuPy's (CuPy arrays'); the
+JSON says which one the plan used and whether CuPy was imported before those two pieces (it should not be)."""
 import json
 import statistics
 import sys
@@ -28,6 +30,14 @@ cells = dict(zip(plan.__code__.co_freevars, (c.cell_contents for c in plan.__clo
 launch = cells["launch"]
 out = torch.empty_like(x)
 xp, op_ = x.data_ptr(), out.data_ptr()
+cupy_before = "cupy" in sys.modules  # the torch path with a warm store imports none
+loaded = next(v for k, v in DISPATCHER._loaded.items() if k[0].family == "softmax")
+raw = loaded._launches[0]
+gx, gy, gz, bx, by, bz, smem = raw.geometry
+bindings_launch = loaded.driver.launch_kernel
+from autosoft.runtime import cupy_driver  # noqa: E402 - after the check above: this imports CuPy
+
+cupy_launch = cupy_driver().launch_kernel
 raw_stream = torch._C._cuda_getCurrentRawStream
 op = torch.ops.autosoft.softmax
 pieces = {
@@ -37,6 +47,10 @@ pieces = {
     "x.is_contiguous()": lambda: x.is_contiguous(),
     "raw stream": lambda: raw_stream(0),
     "launch (pointers given)": lambda: launch(xp, op_, 0),
+    "cuLaunchKernel alone, the plan's binding": lambda: bindings_launch(raw.function, gx, gy, gz, bx, by, bz, smem, 0,
+                                                                      raw.params_ptr, 0),
+    "cuLaunchKernel alone, CuPy's binding": lambda: cupy_launch(raw.address, gx, gy, gz, bx, by, bz, smem, 0,
+                                                                raw.params_ptr, 0),
     "plan((x,), ())": lambda: plan((x,), ()),
     "autosoft.softmax": lambda: autosoft.softmax(x),
     "torch.ops.autosoft.softmax": lambda: op(x, -1),
@@ -57,4 +71,6 @@ for _ in range(7):
         res[name].append((time.perf_counter() - t) / 2000 * 1e6)
 out = {k: statistics.median(v) for k, v in res.items()}
 out["operator kernel"] = "compiled (autosoft.native)" if native.enabled() else "Python"
+out["plan's driver"] = loaded.driver.name
+out["cupy imported by the torch path"] = cupy_before
 print(json.dumps(out, indent=1))

@@ -308,6 +308,8 @@ class _MissingNvrtc:
 @pytest.fixture
 def no_nvrtc(monkeypatch):
     monkeypatch.setattr(compiler, "_binding", lambda: _MissingNvrtc())
+    # cuda-bindings finds no libnvrtc either: it answers None, and CuPy's binding says what to install
+    monkeypatch.setattr(compiler, "_bindings_nvrtc_version", lambda: None)
     compiler._nvrtc.cache_clear()
     compiler.nvrtc_version.cache_clear()
     yield
@@ -336,6 +338,8 @@ def test_the_cli_says_it_in_one_line_with_exit_2(tmp_path):
             "def missing(*args):\n"
             f"    raise RuntimeError({MISSING!r})\n"
             "nvrtc.getVersion = nvrtc.createProgram = missing\n"
+            "from cuda.bindings import nvrtc as bindings_nvrtc\n"  # asked first for the version
+            "bindings_nvrtc.nvrtcVersion = missing\n"
             "from autosoft.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     result = subprocess.run([sys.executable, "-c", code, "export", "softmax", "--shape", "256x4096", "-o",

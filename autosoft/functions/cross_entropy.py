@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..arrays import torch_loaded
 from ..dispatch import DISPATCHER
 from ..families._rows import pow2_ceil
 from ..families.base import OptionValue, Problem
@@ -78,14 +79,11 @@ class _Launcher:
         found = self._launchers.get(key)
         if found is not None:
             return found
-        from ..runtime import cupy_module
-
         with self._lock:
             if not self._watching:
                 DISPATCHER.on_clear(self.clear)
                 self._watching = True
-            with cupy_module().cuda.Device(device):
-                loaded = DISPATCHER.loaded(problem, device)
+            loaded = torch_loaded(problem, device)
             found = self._launchers[key] = loaded.launcher(_KERNEL_BUFFERS + SCALARS, SCALARS)
         return found
 
