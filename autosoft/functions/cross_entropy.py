@@ -15,6 +15,7 @@ from ..dispatch import DISPATCHER
 from ..families._rows import pow2_ceil
 from ..families.base import OptionValue, Problem
 from ..families.cross_entropy import _KERNEL_BUFFERS, CROSS_ENTROPY, SCALARS
+from ._scale import scale_unless_one as _scale_unless_one
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "default_chunk"]
 
@@ -63,28 +64,26 @@ def _check_devices(who: str, named: Mapping[str, Any]) -> None:
 
 
 class _Launcher:
-    """The loaded variant of each (device, dtype, N, options, rows) and its launch function, kept
-    until load_cache or forget clears the dispatcher's caches."""
+    """The launch function of each call signature (rows, vocabulary, dtypes, mode, device): its
+    problem's loaded variant's, kept until load_cache or forget clears the dispatcher's caches.
+    A call whose signature was seen before costs one dict lookup."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._launchers: dict[tuple, Any] = {}
+        self.launchers: dict[tuple, Any] = {}
         self._watching = False
 
     def clear(self) -> None:
-        self._launchers.clear()
+        self.launchers.clear()
 
-    def get(self, problem: Problem, device: int) -> Any:
-        key = (problem, device)
-        found = self._launchers.get(key)
-        if found is not None:
-            return found
+    def get(self, signature: tuple, problem: Problem, device: int) -> Any:
+        """The launch function of `problem` on `device`, remembered under `signature`."""
         with self._lock:
             if not self._watching:
                 DISPATCHER.on_clear(self.clear)
                 self._watching = True
             loaded = torch_loaded(problem, device)
-            found = self._launchers[key] = loaded.launcher(_KERNEL_BUFFERS + SCALARS, SCALARS)
+            found = self.launchers[signature] = loaded.launcher(_KERNEL_BUFFERS + SCALARS, SCALARS)
         return found
 
 
@@ -100,23 +99,32 @@ def _forward(logits2d: Any, target1d: Any, scale: Any, ignore_index: int, eps: f
 
     m, n = logits2d.shape
     device = logits2d.get_device()
-    options: dict[str, OptionValue] = {}
-    if target1d.dtype == torch.int32:
-        options["int32_target"] = True
-    if loss_only:
-        options["loss_only"] = True
-    elif inplace:
-        options["inplace"] = True
-    problem = CROSS_ENTROPY.problem_for({"logits": (m, n), "target": (m,)}, TORCH_DTYPES[logits2d.dtype], options)
-    launch = _LAUNCHER.get(problem, device)
+    signature = (m, n, logits2d.dtype, target1d.dtype, inplace, loss_only, device)
+    launch = _LAUNCHER.launchers.get(signature)
+    if launch is None:
+        options: dict[str, OptionValue] = {}
+        if target1d.dtype == torch.int32:
+            options["int32_target"] = True
+        if loss_only:
+            options["loss_only"] = True
+        elif inplace:
+            options["inplace"] = True
+        problem = CROSS_ENTROPY.problem_for({"logits": (m, n), "target": (m,)}, TORCH_DTYPES[logits2d.dtype],
+                                            options)
+        launch = _LAUNCHER.get(signature, problem, device)
     loss = torch.empty(m, dtype=torch.float32, device=logits2d.device)
     lse = torch.empty(m, dtype=torch.float32, device=logits2d.device)
     grad = None if loss_only else logits2d if inplace else torch.empty_like(logits2d)
     launch(logits2d.data_ptr(), target1d.data_ptr(), scale.data_ptr(), 0 if grad is None else grad.data_ptr(),
            loss.data_ptr(),
-           lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z),
-           torch.cuda.current_stream(device).cuda_stream)
+           lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z), _stream(torch, device))
     return loss, lse, grad
+
+
+def _stream(torch: Any, device: int) -> int:
+    """torch's current stream on `device`, as the raw handle (no Stream object built)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 TORCH_DTYPES: dict[Any, str] = {}
@@ -162,13 +170,12 @@ def _reduced(torch: Any, loss: Any, target: Any, ignore_index: int, reduction: s
 
 
 def _scaled_(torch: Any, grad: Any, grad_output: Any) -> Any:
-    """grad * grad_output, in place (grad is ours): nothing to do where grad_output is 1, the
-    usual case (loss.backward()), which costs one synchronisation to know (as Liger's)."""
-    if grad_output.numel() == 1:
-        if bool(grad_output.ne(1).item()):
-            grad.mul_(grad_output.to(grad.dtype))
-        return grad
-    return grad.mul_(grad_output.reshape(*grad_output.shape, 1).to(grad.dtype))
+    """grad * grad_output, in place (grad is ours). For a scalar loss, decided on the GPU
+    (functions/_scale.py): nothing is read or written where grad_output is 1, the usual case
+    (loss.backward()), and the host never waits to know it."""
+    if grad_output.numel() == 1 and grad.is_contiguous():
+        return _scale_unless_one(grad, grad_output.reshape(1).to(torch.float32))
+    return grad.mul_(grad_output.reshape(*grad_output.shape, *([1] * (grad.dim() - grad_output.dim()))).to(grad.dtype))
 
 
 def _function_class(torch: Any) -> Any:
