@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -191,7 +192,8 @@ def test_the_torch_path_from_a_warm_store_to_the_driver_imports_no_cupy(tmp_path
         print("cupy imported:", "cupy" in sys.modules)
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
-                            env={**_env(), "PYTHONPATH": str(REPO)})
+                            env={**_env(), "PYTHONPATH": os.pathsep.join(
+                                    filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     assert result.returncode == 0, result.stderr
     assert "cupy imported: False" in result.stdout, result.stdout
 
