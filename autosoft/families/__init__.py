@@ -13,6 +13,7 @@ A plug-in that fails to load is skipped with a warning naming it; it never break
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import threading
 import warnings
@@ -74,8 +75,14 @@ def families() -> dict[str, Family]:
 
 
 def get_family(name: str) -> Family:
-    """The family registered as `name`; UserError listing the known ones otherwise."""
-    _discover(plug_ins=False)
+    """The family registered as `name`; UserError listing the known ones otherwise. A built-in
+    family lives in the module of its name: that module alone is imported for it (a first call
+    does not pay for the others)."""
+    if name not in _registry and not _built_in and name.isidentifier() and not name.startswith("_") \
+            and name != "base" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        importlib.import_module(f"{__name__}.{name}")
+    if name not in _registry:
+        _discover(plug_ins=False)
     if name not in _registry:
         _discover()
     try:
