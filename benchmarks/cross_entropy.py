@@ -278,6 +278,9 @@ def main() -> int:
     parser.add_argument("--dtypes", default=None, help="only these dtypes (comma-separated)")
     parser.add_argument("--tokens", default=None, help="only these token counts (comma-separated)")
     parser.add_argument("--tune-only", action="store_true", help="tune the rows' problems into --cache, time nothing")
+    parser.add_argument("--contenders", default=None,
+                        help="only these of autosoft, autosoft_inplace, torch, torch_compile, quack, liger "
+                             "(comma-separated; the copy and autosoft's kernel alone always run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     args = parser.parse_args()
@@ -332,6 +335,11 @@ def main() -> int:
         if args.tune_only:
             rows = []
         contenders = peers(torch)
+        if args.contenders is not None:
+            unknown = set(args.contenders.split(",")) - set(contenders)
+            if unknown:
+                parser.error(f"--contenders: {', '.join(sorted(unknown))} not among {', '.join(sorted(contenders))}")
+            contenders = {name: fn for name, fn in contenders.items() if name in args.contenders.split(",")}
         result["contenders"] = sorted(contenders)
         for tokens, vocab, dtype in rows:
             try:
