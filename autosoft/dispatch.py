@@ -93,27 +93,21 @@ class Dispatcher:
     def entries(self) -> list[Entry]:
         with self._lock:
             if self._entries is None:
-                entries: list[Entry] = []
-                for path in self._extra_files:
-                    entries += Cache(path, create=False).entries()
-                default = default_cache_path()
-                if default.exists():
-                    entries += Cache(default, create=False).entries()
-                self._entries = entries
+                self._entries = [entry for cache in self._caches() for entry in cache.entries()]
             return self._entries
 
     def selectors(self) -> list[Selector]:
         """The selectors of the same files as entries(), a file loaded later first."""
         with self._lock:
             if self._selectors is None:
-                found: list[Selector] = []
-                for path in self._extra_files:
-                    found += Cache(path, create=False).selectors()
-                default = default_cache_path()
-                if default.exists():
-                    found += Cache(default, create=False).selectors()
-                self._selectors = found
+                self._selectors = [selector for cache in self._caches() for selector in cache.selectors()]
             return self._selectors
+
+    def _caches(self) -> list[Cache]:
+        """The files dispatch reads, opened: those load_cache gave (the latest first), then the
+        default cache where it exists."""
+        default = default_cache_path()
+        return [Cache(path, create=False) for path in (*self._extra_files, *([default] if default.exists() else []))]
 
     def forget(self) -> None:
         """Drop the in-memory caches (the files stay); the next call reads the files again."""
