@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
-from .dtypes import ITEMSIZE
 from .families.base import Family, Problem
 from .space import ParamValue
 
@@ -32,29 +31,9 @@ MISSING_RATIO = 16.0
 # --- features ------------------------------------------------------------------------------------
 
 def problem_features(family: Family, problem: Problem) -> dict[str, float]:
-    """The numbers a selector splits on: the family's own (a method `selector_features(problem)`
-    returning a name -> number mapping) where it declares them, else default_features."""
-    declared = getattr(family, "selector_features", None)
-    if callable(declared):
-        return {str(k): float(v) for k, v in declared(problem).items()}
-    return default_features(family, problem)
-
-
-def default_features(family: Family, problem: Problem) -> dict[str, float]:
-    """Features from the shape alone. A row family (M x N): rows, columns, bytes per row, dtype
-    size. Another rank (attention's B x H x N x D): the product of the leading dimensions (B*H),
-    the last two (N, D) and the dtype size. Then each declared problem option: a flag as 0 or 1,
-    a number as itself, 0 when not given (kv_heads, kv_len: the default, H or N)."""
-    shape, size = problem.shape, ITEMSIZE[problem.dtype]
-    if len(shape) == 2:
-        out = {"rows": float(shape[0]), "columns": float(shape[1]), "bytes_per_row": float(shape[1] * size)}
-    else:
-        out = {"outer": float(math.prod(shape[:-2])), "n": float(shape[-2]), "d": float(shape[-1])}
-    out["dtype_size"] = float(size)
-    for option in family.options:
-        value = problem.option(option.name)
-        out[option.name] = 0.0 if value is None or value is False else float(value)
-    return out
+    """The numbers a selector splits on: the family's `selector_features` (Family's default: the
+    shape, the dtype's size and the options), as floats."""
+    return {str(k): float(v) for k, v in family.selector_features(problem).items()}
 
 
 # --- the tree ------------------------------------------------------------------------------------

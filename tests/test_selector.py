@@ -13,11 +13,11 @@ from autosoft.cache import Cache
 from autosoft.errors import UserError
 from autosoft.evaluate import Outcome, Status
 from autosoft.families import get_family
-from autosoft.families.base import Target
+from autosoft.families.base import Family, Target
 from autosoft.generalize import fit_selector
 from autosoft.runners import Runner
 from autosoft.runtime import DeviceInfo
-from autosoft.selector import (default_features, Leaf, Sample, Split, choose_configs, depth, fit_tree, params_key, predict,
+from autosoft.selector import (Leaf, Sample, Split, choose_configs, depth, fit_tree, params_key, predict,
                                problem_features, tree_text)
 
 from helpers import make_entry, softmax_key
@@ -93,8 +93,8 @@ def test_greedy_cover_takes_the_configuration_near_the_best_on_most_shapes_first
 def test_default_features_of_a_row_family_and_of_attention():
     f = problem_features(SOFTMAX, SOFTMAX.problem("4096x8192", "bfloat16"))
     assert f == {"rows": 4096.0, "columns": 8192.0, "bytes_per_row": 16384.0, "dtype_size": 2.0, "log": 0.0}
-    rank4 = default_features(get_family("attention"), get_family("attention").problem("2,16,1000,64", "float16",
-                                                                                        {"causal": True}))
+    attention = get_family("attention")
+    rank4 = Family.selector_features(attention, attention.problem("2,16,1000,64", "float16", {"causal": True}))
     assert (rank4["outer"], rank4["n"], rank4["d"], rank4["causal"]) == (32.0, 1000.0, 64.0, 1.0)
 
 

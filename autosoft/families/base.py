@@ -483,6 +483,24 @@ class Family(abc.ABC):
     def has_python_call(self) -> bool:
         return type(self).python_call is not Family.python_call
 
+    def selector_features(self, problem: Problem) -> dict[str, float]:
+        """The numbers a selector (autosoft/selector.py) splits this family's problems on. This
+        default reads the shape alone: a row family (M x N): rows, columns, bytes per row; another
+        rank (attention's B x H x N x D): the product of the leading dimensions, the last two (N,
+        D); then the dtype's size and each declared option (a flag as 0 or 1, a number as itself,
+        0 when not given). A family whose speed turns on more (attention's keys per query, group
+        size) overrides it."""
+        shape, size = problem.shape, ITEMSIZE[problem.dtype]
+        if len(shape) == 2:
+            out = {"rows": float(shape[0]), "columns": float(shape[1]), "bytes_per_row": float(shape[1] * size)}
+        else:
+            out = {"outer": float(math.prod(shape[:-2])), "n": float(shape[-2]), "d": float(shape[-1])}
+        out["dtype_size"] = float(size)
+        for option in self.options:
+            value = problem.option(option.name)
+            out[option.name] = 0.0 if value is None or value is False else float(value)
+        return out
+
     # --- shared machinery --------------------------------------------------------------------
     @property
     def space(self) -> SearchSpace:
