@@ -35,7 +35,7 @@ from .families.base import Family, Problem, Target, Variant, build_variant, fami
 from .kernel_store import KernelStore, default_store
 from .problems import record
 from .runtime import DeviceInfo, LoadedVariant, device_info
-from .selector import Selector, problem_features
+from .selector import Selector
 
 TUNED = "tuned"
 SELECTOR = "selector"
@@ -175,7 +175,7 @@ class Dispatcher:
         selector = find_selector(self.selectors(), key)
         if selector is None:
             return None
-        ranking = selector.ranking(problem_features(family, problem))
+        ranking = selector.ranking(family.selector_features(problem))
         for index in ranking:
             try:
                 variant = build_variant(family, problem, selector.configs[index], target)

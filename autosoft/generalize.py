@@ -22,8 +22,7 @@ from .errors import UserError
 from .evaluate import Status
 from .families.base import Family, Problem, Variant, build_variant, family_template_digest, space_of
 from .runners import Runner
-from .selector import (MAX_CONFIGS, WITHIN, Sample, Selector, choose_configs, fit_tree, params_key, predict,
-                       problem_features)
+from .selector import MAX_CONFIGS, WITHIN, Sample, Selector, choose_configs, fit_tree, params_key, predict
 from .worker import Watchdog
 
 MIN_SHAPES = 3  # fewer tuned shapes than this teach a tree nothing a nearest entry would not
@@ -164,7 +163,7 @@ def fit_selector(family: Family, cache: Cache, runner: Runner, *, max_configs: i
     keys = choose_configs(recorded_times(cache, family, problems, device.name), max_configs, within)
     configs = [json.loads(k) for k in keys]
     times = measure(family, configs, problems, runner, watchdog, progress)
-    features = [problem_features(family, p) for p, _ in problems]
+    features = [family.selector_features(p) for p, _ in problems]
     names = tuple(features[0])
     samples = tuple(Sample(label(p), f, t) for (p, _), f, t in zip(problems, features, times))
     served = tuple(s for s in samples if any(t is not None for t in s.times))

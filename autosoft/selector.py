@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, Union
 
-from .families.base import Family, Problem
 from .space import ParamValue
 
 MAX_DEPTH = 4
@@ -29,12 +28,6 @@ MISSING_RATIO = 16.0
 
 
 # --- features ------------------------------------------------------------------------------------
-
-def problem_features(family: Family, problem: Problem) -> dict[str, float]:
-    """The numbers a selector splits on: the family's `selector_features` (Family's default: the
-    shape, the dtype's size and the options), as floats."""
-    return {str(k): float(v) for k, v in family.selector_features(problem).items()}
-
 
 # --- the tree ------------------------------------------------------------------------------------
 

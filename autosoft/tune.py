@@ -36,7 +36,6 @@ from .families.base import Family, Problem, Target, Variant, build_variant, spac
 from .runners import GpuRunner, Pending, Runner
 from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
-from .selector import problem_features
 from .space import ParamValue
 from .storage import default_storage_url, interrupts_held
 from .worker import Watchdog
@@ -285,7 +284,7 @@ def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cach
 
     selector = find_selector(cache.selectors(), key)
     if selector is not None:
-        for index in selector.ranking(problem_features(family, problem)):
+        for index in selector.ranking(family.selector_features(problem)):
             pick = valid(selector.configs[index])
             if pick is not None:
                 out.append(pick)

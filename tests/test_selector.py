@@ -17,8 +17,7 @@ from autosoft.families.base import Family, Target
 from autosoft.generalize import fit_selector
 from autosoft.runners import Runner
 from autosoft.runtime import DeviceInfo
-from autosoft.selector import (Leaf, Sample, Split, choose_configs, depth, fit_tree, params_key, predict,
-                               problem_features, tree_text)
+from autosoft.selector import Leaf, Sample, Split, choose_configs, depth, fit_tree, params_key, predict, tree_text
 
 from helpers import make_entry, softmax_key
 
@@ -91,7 +90,7 @@ def test_greedy_cover_takes_the_configuration_near_the_best_on_most_shapes_first
 # --- features -------------------------------------------------------------------------------------
 
 def test_default_features_of_a_row_family_and_of_attention():
-    f = problem_features(SOFTMAX, SOFTMAX.problem("4096x8192", "bfloat16"))
+    f = SOFTMAX.selector_features(SOFTMAX.problem("4096x8192", "bfloat16"))
     assert f == {"rows": 4096.0, "columns": 8192.0, "bytes_per_row": 16384.0, "dtype_size": 2.0, "log": 0.0}
     attention = get_family("attention")
     rank4 = Family.selector_features(attention, attention.problem("2,16,1000,64", "float16", {"causal": True}))
@@ -101,7 +100,7 @@ def test_default_features_of_a_row_family_and_of_attention():
 def test_attention_declares_its_own_features():
     attention = get_family("attention")
     problem = attention.problem("2,16,1000,64", "float16", {"causal": True, "kv_heads": 4, "kv_len": 3000})
-    assert problem_features(attention, problem) == {"bh": 32.0, "nq": 1000.0, "nkv": 3000.0, "d": 64.0,
+    assert attention.selector_features(problem) == {"bh": 32.0, "nq": 1000.0, "nkv": 3000.0, "d": 64.0,
                                                     "causal": 1.0, "window": 0.0, "softcap": 0.0, "gqa": 4.0}
 
 
@@ -164,8 +163,8 @@ def test_fit_selector_chooses_times_and_fits_from_the_cache(tmp_path):
     assert (selector.gpu_name, selector.cuda_major) == ("NVIDIA H200", "13")
     assert fitted.training_ratios() == [1.0] * 4
     assert cache.selectors() == [selector]
-    short = predict(selector.tree, problem_features(SOFTMAX, SOFTMAX.problem("300x700", "float32")))
-    long = predict(selector.tree, problem_features(SOFTMAX, SOFTMAX.problem("100x50000", "float32")))
+    short = predict(selector.tree, SOFTMAX.selector_features(SOFTMAX.problem("300x700", "float32")))
+    long = predict(selector.tree, SOFTMAX.selector_features(SOFTMAX.problem("100x50000", "float32")))
     assert (selector.configs[short[0]], selector.configs[long[0]]) == (SHORT, LONG)
 
 
