@@ -180,28 +180,39 @@ class CrossEntropyFamily(RowsFamily):
         """Starting points the tuner measures first: the row held in registers by blocks of every
         size (also with evict-first accesses), staged in shared memory, streamed twice with more
         loads in flight, held or staged over clusters (sm_90), and split over a cooperative grid
-        for few rows."""
+        for few rows. Where the default itself splits the row over a cluster (long vocabularies),
+        the cluster seeds come first, small blocks and, for 16-bit logits, 8-byte vectors among
+        them: those won on 151936 and 256000 words (BENCHMARKS.md, issue 43), and a tune of a few
+        dozen trials measures little beyond its seeds."""
         base = self.default_params(problem, target)
         whole = {"split": 1, "combine": "none", "unroll": 1}
-        changes: list[dict[str, ParamValue]] = [{"streaming": True}]
+        rows: list[dict[str, ParamValue]] = []
         for threads in (128, 256, 512, 1024):
-            changes.append({**whole, "storage": "registers", "threads": threads})
-            changes.append({**whole, "storage": "registers", "threads": threads, "streaming": True})
-            changes.append({**whole, "storage": "smem", "threads": threads})
+            rows.append({**whole, "storage": "registers", "threads": threads})
+            rows.append({**whole, "storage": "registers", "threads": threads, "streaming": True})
+            rows.append({**whole, "storage": "smem", "threads": threads})
         for threads in (256, 512, 1024):
             for unroll in (2, 4, 8):
-                changes.append({**whole, "storage": "reread", "threads": threads, "unroll": unroll})
-                changes.append({**whole, "storage": "reread", "threads": threads, "unroll": unroll, "streaming": True})
+                rows.append({**whole, "storage": "reread", "threads": threads, "unroll": unroll})
+                rows.append({**whole, "storage": "reread", "threads": threads, "unroll": unroll, "streaming": True})
+        clusters: list[dict[str, ParamValue]] = []
         for split in (2, 4, 8, 16):
             for threads in (256, 512, 1024):
                 for storage in ("registers", "smem"):
-                    changes.append({"split": split, "combine": "cluster", "threads": threads, "storage": storage,
-                                    "unroll": 1})
+                    clusters.append({"split": split, "combine": "cluster", "threads": threads, "storage": storage,
+                                     "unroll": 1})
+        long_row = base["combine"] == "cluster"
+        if long_row:  # staged over 8 or 16 blocks of few threads, first
+            vecs = (base["vec"], int(base["vec"]) // 2) if ITEMSIZE[problem.dtype] == 2 else (base["vec"],)
+            clusters = [{"split": split, "combine": "cluster", "threads": threads, "storage": "smem", "unroll": 1,
+                         "vec": vec} for vec in vecs for split in (8, 16) for threads in (128, 256)] + clusters
+        grids: list[dict[str, ParamValue]] = []
         for split in (2, 4, 8, 16, 32, 64):  # the space keeps those whose grid is resident at once
             for threads in (512, 1024):
-                changes.append({"split": split, "combine": "grid", "threads": threads, "storage": "registers",
-                                "unroll": 1})
-        return valid_neighbours(self, problem, target, base, changes)
+                grids.append({"split": split, "combine": "grid", "threads": threads, "storage": "registers",
+                              "unroll": 1})
+        first, then = (clusters, rows) if long_row else (rows, clusters)
+        return valid_neighbours(self, problem, target, base, [{"streaming": True}, *first, *then, *grids])
 
     # --- costs ---------------------------------------------------------------------------------
     def bytes_moved(self, problem: Problem) -> int:
