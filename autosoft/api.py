@@ -96,24 +96,18 @@ def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     return call_along("softmax", x, dim, out, LOG, "log_softmax")
 
 
-def _through_operator(x: Any) -> bool:
-    """Whether a call on x must go through autosoft's torch operator: autograd records it, or
-    torch.compile traces it."""
+def _through_operator(*arrays: Any) -> bool:
+    """Whether a call on these arrays must go through autosoft's torch operator: the first is a
+    torch tensor and torch.compile traces, or autograd records one that requires gradients."""
     torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
-    if torch is None or not isinstance(x, torch.Tensor):
-        return False
-    return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
-
-
-def _through_family_operator(arrays: Any) -> bool:
-    """Whether a family function's call on these arrays must go through its operator: torch.compile
-    traces it, or autograd records one of them."""
-    torch = sys.modules.get("torch")
     if torch is None or not arrays or not isinstance(arrays[0], torch.Tensor):
         return False
     if torch.compiler.is_compiling():
         return True
-    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in arrays)
+    for array in arrays:
+        if isinstance(array, torch.Tensor) and array.requires_grad:
+            return torch.is_grad_enabled()
+    return False
 
 
 def _compiling(x: Any) -> bool:
@@ -275,7 +269,7 @@ def family_function(name: str) -> Callable[..., Any]:
     @functools.wraps(python_call)
     def function(*args: Any, **kwargs: Any) -> Any:
         call = python_call(*args, **kwargs)
-        if traced and _through_family_operator(call.arrays):
+        if traced and _through_operator(*call.arrays):
             from . import torch_ops
 
             produced = torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)
