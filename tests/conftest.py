@@ -64,6 +64,18 @@ def _gpu_memory_returned(request):
 
 
 @pytest.fixture
+def no_kernels(monkeypatch):
+    """Any call of a real implementation of autosoft's torch operators fails the test: tracing
+    (torch.compile, fake tensors) must not run kernels."""
+    pytest.importorskip("torch")
+    import autosoft.torch_ops as torch_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a real implementation ran while tracing")
+    monkeypatch.setattr(torch_ops, "call_family", refuse)
+
+
+@pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """An empty AUTOSOFT_CACHE_DIR for the test: nothing touches the user's cache."""
     folder = tmp_path / "cache"

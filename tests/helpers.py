@@ -128,3 +128,15 @@ def run_cli_read_only_honoured(args: list[str], cache_dir: Path, cwd: Path | Non
     drop = _drop_permission_override if os.geteuid() == 0 else None
     return subprocess.run([sys.executable, "-m", "autosoft", *args], env={**cli_env(cache_dir), **env},
                           cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout, preexec_fn=drop)
+
+
+def loaded_variant(family: Any, problem: Any, params: dict[str, Any]) -> Any:
+    """The family's variant at params, compiled with NVRTC for this GPU and loaded (the GPU tier)."""
+    from autosoft.compile import compile_source
+    from autosoft.families.base import build_variant
+    from autosoft.runtime import LoadedVariant, device_info
+
+    variant = build_variant(family, problem, params, device_info().target)
+    result = compile_source(variant.source, variant.target.arch)
+    assert result.ok, f"{variant.name}: {result.log[:2000]}"
+    return LoadedVariant(variant, result.cubin)

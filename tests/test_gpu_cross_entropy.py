@@ -12,6 +12,7 @@ from autosoft.dtypes import poisoned
 from autosoft.evaluate import Status, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant, space_of
+from helpers import loaded_variant
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +28,8 @@ def _device():
 
 
 def _loaded(problem: Problem, params: dict):
-    from autosoft.runtime import LoadedVariant
-
-    variant = build_variant(FAMILY, problem, params, _device().target)
-    result = compile_source(variant.source, variant.target.arch)
-    assert result.ok, f"{variant.name}: {result.log[:2000]}"
-    return LoadedVariant(variant, result.cubin)
+    """The variant at params, compiled for this device and loaded."""
+    return loaded_variant(FAMILY, problem, params)
 
 
 def _one_per_strategy(problem: Problem) -> list[dict]:

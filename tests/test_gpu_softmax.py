@@ -9,7 +9,7 @@ from autosoft.evaluate import Status, evaluate, poisoned, verify
 from autosoft.families import get_family
 from autosoft.families.base import ITEMSIZE, Problem, build_variant
 from autosoft.dtypes import to_storage
-from helpers import sample_points
+from helpers import loaded_variant, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -47,12 +47,7 @@ def test_sampled_variants_are_correct(shape, dtype):
 
 def _loaded(problem: Problem, params: dict):
     """The variant at params, compiled for this device and loaded."""
-    from autosoft.runtime import LoadedVariant
-
-    variant = build_variant(get_family("softmax"), problem, params, _device().target)
-    result = compile_source(variant.source, variant.target.arch)
-    assert result.ok, result.log
-    return LoadedVariant(variant, result.cubin)
+    return loaded_variant(get_family("softmax"), problem, params)
 
 
 def _assert_correct(problem: Problem, params: dict, xs, seed: int):

@@ -14,6 +14,7 @@ from autosoft.evaluate import Status, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant
 from autosoft.testing.conformance import sample_points
+from helpers import loaded_variant
 
 pytestmark = pytest.mark.gpu
 
@@ -28,12 +29,7 @@ def _device():
 
 def _loaded(problem: Problem, params: dict):
     """The variant at params, compiled for this device and loaded."""
-    from autosoft.runtime import LoadedVariant
-
-    variant = build_variant(FAMILY, problem, params, _device().target)
-    result = compile_source(variant.source, variant.target.arch)
-    assert result.ok, f"{variant.name}: {result.log[:2000]}"
-    return LoadedVariant(variant, result.cubin)
+    return loaded_variant(FAMILY, problem, params)
 
 
 def _verify_all(problem: Problem, points: list[dict], seed: int) -> list[str]:
