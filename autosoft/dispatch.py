@@ -158,7 +158,7 @@ class Dispatcher:
             if exact:
                 best = min(exact, key=lambda e: (gap[id(e)], e.time_us))
                 return Choice(build_variant(family, problem, best.params, target), _source(best, key, match), best)
-            distances = [(_shape_distance(family, e.key, key), gap[id(e)], i) for i, e in enumerate(candidates)]
+            distances = [(key_distance(family, e.key, key), gap[id(e)], i) for i, e in enumerate(candidates)]
             for _, _, i in sorted(d for d in distances if d[0] < math.inf):
                 entry = candidates[i]
                 try:
@@ -343,7 +343,7 @@ def _nvrtc_rank(version: str, local: str | None) -> int:
     return 1 if _same_major(version, local) else 2
 
 
-def _shape_distance(family: Family, a: CacheKey, b: CacheKey) -> float:
+def key_distance(family: Family, a: CacheKey, b: CacheKey) -> float:
     """The family's problem_distance between two keys' problems (shape and options, e.g. causal);
     infinite where either key's shape text is not a problem of this family."""
     try:

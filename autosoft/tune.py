@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._version import __version__
 from .cache import Cache, Entry
-from .dispatch import _shape_distance, cache_key, find_selector, nvrtc_match
+from .dispatch import cache_key, find_selector, key_distance, nvrtc_match
 from .errors import UserError
 from .evaluate import Outcome, Status
 from .families import get_family
@@ -290,7 +290,7 @@ def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cach
                 out.append(pick)
                 break
     entries = [e for e in cache.entries() if nvrtc_match(e.key, key) is not None]
-    ranked = sorted(((_shape_distance(family, e.key, key), e.time_us, i) for i, e in enumerate(entries)))
+    ranked = sorted(((key_distance(family, e.key, key), e.time_us, i) for i, e in enumerate(entries)))
     for distance, _, i in [r for r in ranked if r[0] < float("inf")][:WARM_NEAREST]:
         point = valid(entries[i].params)
         if point is not None and point not in out:

@@ -15,7 +15,7 @@ import autosoft.dispatch as dispatch
 import autosoft.kernel_store as kernel_store
 from autosoft.cache import Cache
 from autosoft.compile import CompileResult
-from autosoft.dispatch import Dispatcher, _shape_distance, find_entry
+from autosoft.dispatch import Dispatcher, key_distance, find_entry
 from autosoft.errors import UserError
 from autosoft.families import get_family
 from autosoft.families.base import Problem, Target
@@ -33,7 +33,7 @@ def _k(shape: str):
 def _d(a, b, family=None):
     from autosoft.families import get_family
 
-    return _shape_distance(family or get_family("softmax"), a, b)
+    return key_distance(family or get_family("softmax"), a, b)
 
 
 # --- the distance between shapes ------------------------------------------------------------------
