@@ -10,7 +10,7 @@ A call whose family, options and array signatures were seen before takes the pla
 them (kept in DISPATCHER.fast, which load_cache and forget clear): the per-call work is the
 output allocation and one launch, into argument slots built with the plan.
 
-Torch tensors are launched through cuda-bindings (runtime.load_for_torch) on torch's current
+Torch tensors are launched through libcuda itself (runtime.load_for_torch) on torch's current
 stream, in the device's primary context: with a warm kernel store a torch process never imports
 CuPy. CuPy is imported for CuPy arrays and other DLPack producers, and on the torch path only to
 compile a kernel the store lacks or to verify a choice not tuned for this very problem.
@@ -316,7 +316,7 @@ class _Framework:
 
 
 def torch_loaded(problem: Problem, device: int) -> Any:
-    """The problem's variant loaded on `device` for torch tensors: through cuda-bindings on the
+    """The problem's variant loaded on `device` for torch tensors: through libcuda on the
     device's primary context (torch's), so a warm kernel store never imports CuPy (CuPy is
     imported only to compile on a cold store's miss, or to verify a choice that was not tuned
     for this very problem). For a family that launches by itself (cross_entropy)."""

@@ -41,12 +41,109 @@ class CompileResult:
 def nvrtc_version() -> str:
     """The local NVRTC's version, e.g. "13.0": part of every variant digest and cache key.
 
-    Asked of cuda-bindings where it is installed: CuPy's binding imports CuPy to find libnvrtc,
-    which a torch process reading a warm kernel store would pay for nothing. Both find the same
-    library (cuda-pathfinder). Cached: a process asks once per variant it dispatches."""
+    Loading NVRTC to ask it costs a warm first call more than anything else it does (the
+    bindings' import and cuda-pathfinder's search), so a process that has not loaded it reads the
+    version that a process of the same environment recorded beside the kernel store, as long as
+    the library that process loaded is still the same file (NVRTC_RECORD). Otherwise NVRTC is
+    asked, through cuda-bindings where installed (CuPy's binding would import CuPy; both find
+    the same library through cuda-pathfinder), and the answer is recorded. Cached per process."""
+    recorded = _recorded_nvrtc_version()
+    if recorded is not None:
+        return recorded
     found = _bindings_nvrtc_version()
     major, minor = found if found is not None else _nvrtc().getVersion()
-    return f"{major}.{minor}"
+    version = f"{major}.{minor}"
+    _record_nvrtc_version(version)
+    return version
+
+
+# Beside the kernel store: per environment (what decides which libnvrtc cuda-pathfinder finds),
+# the library a process loaded, its size and modification time, and its version.
+NVRTC_RECORD = "nvrtc-version.json"
+
+
+def _environment_key() -> str:
+    """What decides which libnvrtc this process would load: the interpreter's prefix, its
+    package folders and whether an `nvidia` package folder in them changed (a wheel installed or
+    removed), and the variables cuda-pathfinder and the dynamic linker read."""
+    import os
+    import sys
+
+    folders = []
+    for entry in sys.path[1:]:
+        if entry.endswith(("site-packages", "dist-packages")):
+            try:
+                changed = os.stat(os.path.join(entry, "nvidia")).st_mtime_ns
+            except OSError:
+                changed = 0
+            folders.append(f"{entry}:{changed}")
+    variables = [f"{name}={os.environ.get(name, '')}" for name in
+                 ("CONDA_PREFIX", "CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH")]
+    return hashlib.sha256("\0".join([sys.prefix, *folders, *variables]).encode()).hexdigest()[:24]
+
+
+def _record_path() -> Any:
+    from .cache import default_store_folder
+
+    return default_store_folder() / NVRTC_RECORD
+
+
+def _recorded_nvrtc_version() -> str | None:
+    """The version recorded for this environment, if the library it names is unchanged."""
+    import json
+    import os
+
+    try:
+        entry = json.loads(_record_path().read_text())[_environment_key()]
+        now = os.stat(entry["library"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (now.st_size, now.st_mtime_ns) != (entry.get("size"), entry.get("mtime_ns")):
+        return None
+    version = entry.get("version")
+    return version if isinstance(version, str) and re.fullmatch(r"\d+\.\d+", version) else None
+
+
+def _record_nvrtc_version(version: str) -> None:
+    """Record the version beside the kernel store, with the libnvrtc this process loaded (read
+    from the process's memory map, so Linux only). A folder that cannot be written is no error:
+    the next process asks NVRTC again."""
+    import json
+    import os
+
+    library = _loaded_nvrtc_library()
+    if library is None:
+        return
+    path = _record_path()
+    try:
+        stat = os.stat(library)
+        try:
+            records = json.loads(path.read_text())
+            records = records if isinstance(records, dict) else {}
+        except (OSError, ValueError):
+            records = {}
+        records[_environment_key()] = {"library": library, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                       "version": version}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(records, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError:
+        return
+
+
+def _loaded_nvrtc_library() -> str | None:
+    """The libnvrtc file this process has loaded (not its builtins library), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                name = path.rsplit("/", 1)[-1]
+                if name.startswith("libnvrtc.so") or name.startswith("libnvrtc64_"):
+                    return path
+    except OSError:
+        return None
+    return None
 
 
 def _bindings_nvrtc_version() -> tuple[int, int] | None:
@@ -118,11 +215,13 @@ def _nvrtc() -> Any:
     """CuPy's NVRTC binding with libnvrtc loaded, or a one-line UserError saying what to install."""
     nvrtc = _binding()
     try:
-        nvrtc.getVersion()  # the first call loads libnvrtc: a missing library fails here, not mid-compile
+        major, minor = nvrtc.getVersion()  # the first call loads libnvrtc: a missing library fails here
     except (RuntimeError, OSError, ImportError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError is a RuntimeError
         found = re.search(r"libnvrtc[\w.]*", str(exc))
         library = found.group(0) if found else "libnvrtc"
         raise UserError(f"NVRTC ({library}) could not be loaded: {_install_hint()}") from None
+    if _recorded_nvrtc_version() not in (None, f"{major}.{minor}"):
+        _record_nvrtc_version(f"{major}.{minor}")  # the record was wrong: the next process reads the truth
     return nvrtc
 
 

@@ -187,7 +187,7 @@ class Dispatcher:
     def loaded(self, problem: Problem, device_index: int,
                load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
         """The problem's variant loaded on the current device (device_index). load(variant, cubin):
-        how (runtime.load_for_torch: through cuda-bindings, no CuPy); default LoadedVariant, CuPy's."""
+        how (runtime.load_for_torch: through libcuda, no CuPy); default LoadedVariant, CuPy's."""
         key = (problem, device_index, load)
         found = self._loaded.get(key)
         if found is not None:

@@ -1,25 +1,56 @@
-"""The CUDA driver through cuda-bindings (NVIDIA's maintained Python bindings, `cuda.bindings.driver`):
-how torch tensors reach autosoft's kernels without CuPy.
+"""The CUDA driver itself (libcuda, through ctypes): how torch tensors reach autosoft's kernels
+without CuPy and without importing any binding.
 
-torch depends on cuda-bindings and imports it, so for a torch user this costs no import; CuPy
-costs about a hundred milliseconds, most of a warm first call. This module loads a stored cubin
-into the device's primary context (the one torch and CuPy share), sets each kernel's attributes
-once, reads the device's properties and launches. runtime.LoadedVariant keeps the argument
-slots and calls `BINDINGS.launch_kernel` on torch's current stream (runtime.DriverBackend is its
-counterpart through CuPy, which CuPy arrays, the tuner and the verification use).
+A torch process has libcuda loaded already; ctypes opens that same library, so a warm first call
+imports no binding (importing cuda-bindings' driver module, let alone CuPy, was most of it) and a
+launch is one foreign call with its arguments typed once. This module loads a stored cubin into
+the device's primary context (the one torch and CuPy share), sets each kernel's attributes once,
+reads the device's properties and launches. runtime.LoadedVariant keeps the argument slots and
+calls `Driver.launch_kernel` on torch's current stream (runtime.CupyDriver is its counterpart
+through CuPy, which CuPy arrays, the tuner and the verification use).
 
-Nothing here is imported by `import autosoft`; every function raises NoDeviceError where the
-bindings or a driver are missing, DriverError where the driver refuses a call.
+Nothing here is loaded by `import autosoft`; every function raises NoDeviceError where no driver
+library or no device is found, DriverError where the driver refuses a call.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import threading
 from functools import lru_cache
 from typing import Any, Iterator
 
-from .errors import NoDeviceError, one_line
+from .errors import NoDeviceError
+
+# CUdevice_attribute values (cuda.h), which the driver's ABI keeps fixed
+_ATTRIBUTES = {"sm_count": 16, "l2_bytes": 38, "major": 75, "minor": 76, "smem_optin": 97}
+_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+_P, _U, _I = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+# the functions used, with their argument types; a name with _v2 is what cuda.h maps the plain
+# name to (the plain symbol is the old ABI)
+_SIGNATURES: dict[str, tuple[Any, ...]] = {
+    "cuInit": (_U,),
+    "cuDeviceGetCount": (ctypes.POINTER(_I),),
+    "cuDeviceGet": (ctypes.POINTER(_I), _I),
+    "cuDeviceGetName": (ctypes.c_char_p, _I, _I),
+    "cuDeviceGetAttribute": (ctypes.POINTER(_I), _I, _I),
+    "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_P), _I),
+    "cuCtxGetCurrent": (ctypes.POINTER(_P),),
+    "cuCtxSetCurrent": (_P,),
+    "cuCtxGetDevice": (ctypes.POINTER(_I),),
+    "cuCtxPushCurrent_v2": (_P,),
+    "cuCtxPopCurrent_v2": (ctypes.POINTER(_P),),
+    "cuModuleLoadData": (ctypes.POINTER(_P), ctypes.c_char_p),
+    "cuModuleGetFunction": (ctypes.POINTER(_P), _P, ctypes.c_char_p),
+    "cuFuncSetAttribute": (_P, _I, _I),
+    "cuLaunchKernel": (_P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P),
+    "cuLaunchCooperativeKernel": (_P, _U, _U, _U, _U, _U, _U, _U, _P, _P),
+    "cuGetErrorName": (_I, ctypes.POINTER(ctypes.c_char_p)),
+    # a TMA descriptor (runtime.encode_tensor_map): map, dtype, rank, address, sizes, strides,
+    # box, element strides, interleave, swizzle, L2 promotion, out-of-bounds fill
+    "cuTensorMapEncodeTiled": (_P, _I, ctypes.c_uint32, _P, _P, _P, _P, _P, _I, _I, _I, _I),
+}
 
 
 class DriverError(RuntimeError):
@@ -27,81 +58,90 @@ class DriverError(RuntimeError):
 
     def __init__(self, call: str, code: Any) -> None:
         self.code = int(code)
-        super().__init__(f"{call}: {_error_name(code)}")
+        super().__init__(f"{call}: {_error_name(self.code)}")
 
 
-@lru_cache(maxsize=1)  # a failure raises, so only working bindings are remembered
+@lru_cache(maxsize=1)  # a failure raises, so only a working driver is remembered
 def cu() -> Any:
-    """cuda.bindings.driver with the driver initialised, or a NoDeviceError that says what to do."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        raise NoDeviceError("cuda-bindings is not installed: pip install 'autosoft[cuda13]' (CUDA 13 driver) "
-                            "or 'autosoft[cuda12]'") from None
-    try:
-        status, = driver.cuInit(0)
-    except Exception as exc:  # noqa: BLE001 - the bindings raise when libcuda cannot be loaded
-        raise NoDeviceError(f"no CUDA device: {one_line(exc)}; run this on a machine with an NVIDIA GPU") from None
-    if status != driver.CUresult.CUDA_SUCCESS:
+    """libcuda with every function used typed, initialised; NoDeviceError saying what to do where
+    there is no driver library or cuInit fails."""
+    library = _library()
+    if library is None:
+        raise NoDeviceError(f"no CUDA driver ({_LIBRARY} not found): run this on a machine with an NVIDIA GPU "
+                            "and its driver")
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, _I
+    status = library.cuInit(0)
+    if status != 0:
         raise NoDeviceError(f"no CUDA device: cuInit: {_error_name(status)}; run this on a machine with an NVIDIA GPU")
-    return driver
+    return library
+
+
+@lru_cache(maxsize=1)
+def _library() -> Any:
+    """The driver library (the one torch and CuPy loaded: the dynamic linker hands back the same
+    handle), or None where it is not installed."""
+    try:
+        return ctypes.CDLL(_LIBRARY)
+    except OSError:
+        return None
 
 
 def available() -> bool:
-    """Whether cuda-bindings can be imported (a driver and a device are not asked for)."""
-    if "cuda.bindings.driver" in sys.modules:
-        return True
-    try:
-        import cuda.bindings.driver  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the driver library can be opened (a device is not asked for)."""
+    return _library() is not None
 
 
-def check(call: str, result: tuple[Any, ...]) -> Any:
-    """The value of a bindings call's (CUresult, value...) result; DriverError unless it succeeded."""
-    status = result[0]
+def check(call: str, status: int) -> None:
+    """DriverError unless a driver call's status is CUDA_SUCCESS."""
     if status != 0:
         raise DriverError(call, status)
-    return result[1] if len(result) == 2 else result[1:] if len(result) > 2 else None
+
+
+def _out(kind: Any, call: str, function: Any, *args: Any) -> Any:
+    """The value a driver call writes through its first (pointer) argument."""
+    value = kind()
+    check(call, function(ctypes.byref(value), *args))
+    return value.value
 
 
 # -- devices and contexts ----------------------------------------------------------------------
 def device_count() -> int:
-    return int(check("cuDeviceGetCount", cu().cuDeviceGetCount()))
+    return int(_out(_I, "cuDeviceGetCount", cu().cuDeviceGetCount))
 
 
 def current_device() -> int:
     """The device of this thread's current context (the one torch.cuda.device or CuPy's Device
     made current); 0 where none is current, as the CUDA runtime answers."""
-    driver = cu()
-    context = check("cuCtxGetCurrent", driver.cuCtxGetCurrent())
-    if context is None or int(context) == 0:
+    library = cu()
+    if not _out(_P, "cuCtxGetCurrent", library.cuCtxGetCurrent):
         return 0
-    return int(check("cuCtxGetDevice", driver.cuCtxGetDevice()))
+    return int(_out(_I, "cuCtxGetDevice", library.cuCtxGetDevice))
 
 
-_contexts: dict[int, Any] = {}
+_contexts: dict[int, int] = {}
 _contexts_lock = threading.Lock()
 
 
-def primary_context(device: int) -> Any:
+def primary_context(device: int) -> int:
     """The device's primary context, retained for the process: the context torch and CuPy use."""
     found = _contexts.get(device)
     if found is None:
-        driver = cu()
+        library = cu()
         with _contexts_lock:
             found = _contexts.get(device)
             if found is None:
-                handle = check("cuDeviceGet", driver.cuDeviceGet(device))
-                found = _contexts[device] = check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(handle))
+                handle = _out(_I, "cuDeviceGet", library.cuDeviceGet, device)
+                found = _contexts[device] = _out(_P, "cuDevicePrimaryCtxRetain", library.cuDevicePrimaryCtxRetain,
+                                                 handle)
     return found
 
 
 def is_current(device: int) -> bool:
     """Whether the device's primary context is this thread's current one."""
-    context = check("cuCtxGetCurrent", cu().cuCtxGetCurrent())
-    return context is not None and int(context) == int(primary_context(device))
+    current = _out(_P, "cuCtxGetCurrent", cu().cuCtxGetCurrent)
+    return bool(current) and current == primary_context(device)
 
 
 @contextlib.contextmanager
@@ -109,74 +149,63 @@ def on_device(device: int) -> Iterator[None]:
     """Make the device's primary context current for the block. Where another context was
     current, the thread gets it back afterwards (torch reads its current device from it); where
     none was, ours stays, as the CUDA runtime's first call on a thread would leave it."""
-    driver = cu()
+    library = cu()
     context = primary_context(device)
-    current = check("cuCtxGetCurrent", driver.cuCtxGetCurrent())
-    if current is None or int(current) == 0:
-        check("cuCtxSetCurrent", driver.cuCtxSetCurrent(context))
+    if not _out(_P, "cuCtxGetCurrent", library.cuCtxGetCurrent):
+        check("cuCtxSetCurrent", library.cuCtxSetCurrent(context))
         yield
         return
-    check("cuCtxPushCurrent", driver.cuCtxPushCurrent(context))
+    check("cuCtxPushCurrent", library.cuCtxPushCurrent_v2(context))
     try:
         yield
     finally:
-        check("cuCtxPopCurrent", driver.cuCtxPopCurrent())
+        _out(_P, "cuCtxPopCurrent", library.cuCtxPopCurrent_v2)
 
 
 def device_properties(device: int) -> dict[str, Any]:
     """name, major, minor, sm_count, smem_optin and l2_bytes of a device, from the driver."""
-    driver = cu()
-    handle = check("cuDeviceGet", driver.cuDeviceGet(device))
-    attribute = driver.CUdevice_attribute
-
-    def get(name: str) -> int:
-        return int(check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(getattr(attribute, name), handle)))
-
-    name = check("cuDeviceGetName", driver.cuDeviceGetName(256, handle))
-    return {
-        "name": (name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)).strip(),
-        "major": get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
-        "minor": get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
-        "sm_count": get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
-        "smem_optin": get("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
-        "l2_bytes": get("CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE"),
-    }
+    library = cu()
+    handle = _out(_I, "cuDeviceGet", library.cuDeviceGet, device)
+    name = ctypes.create_string_buffer(256)
+    check("cuDeviceGetName", library.cuDeviceGetName(name, len(name), handle))
+    properties: dict[str, Any] = {"name": name.value.decode(errors="replace").strip()}
+    for key, attribute in _ATTRIBUTES.items():
+        properties[key] = int(_out(_I, "cuDeviceGetAttribute", library.cuDeviceGetAttribute, attribute, handle))
+    return properties
 
 
 # -- modules, functions, launches ---------------------------------------------------------------
-class Bindings:
-    """runtime.LoadedVariant's driver through cuda-bindings (see runtime.DriverBackend, whose
-    methods these are): modules loaded into the device's primary context, launches on any
-    stream of that device."""
+class LibcudaDriver:
+    """runtime.LoadedVariant's driver through libcuda (see runtime.DriverBackend, whose methods
+    these are): modules loaded into the device's primary context, launches on any stream of that
+    device."""
 
-    name = "cuda-bindings"
-    error = DriverError
+    name = "libcuda"
+    error: type[Exception] = DriverError
+    launch_ok = 0  # what launch_kernel returns on success (CUDA_SUCCESS)
 
     def __init__(self) -> None:
-        driver = cu()
-        # the launch itself: the bindings' function, called directly (no wrapper on the hot path);
-        # it returns launch_ok on success
-        self.launch_kernel = driver.cuLaunchKernel
-        self.launch_ok = (driver.CUresult.CUDA_SUCCESS,)
+        # the launch itself: the typed foreign function, called directly (no wrapper on the hot path)
+        self.launch_kernel = cu().cuLaunchKernel
 
-    def load(self, cubin: bytes, device: int) -> Any:
+    def load(self, cubin: bytes, device: int) -> int:
         with on_device(device):
-            return check("cuModuleLoadData", cu().cuModuleLoadData(cubin))
+            return _out(_P, "cuModuleLoadData", cu().cuModuleLoadData, cubin)
 
-    def function(self, module: Any, kernel: str) -> tuple[Any, int]:
-        """(the handle launch_kernel takes, its address as an int) of a kernel of the module."""
-        function = check("cuModuleGetFunction", cu().cuModuleGetFunction(module, kernel.encode()))
-        return function, int(function)
+    def function(self, module: int, kernel: str) -> tuple[int, int]:
+        """(the handle launch_kernel takes, its address as an int) of a kernel of the module: both
+        the CUfunction's address."""
+        function = _out(_P, "cuModuleGetFunction", cu().cuModuleGetFunction, module, kernel.encode())
+        return function, function
 
-    def set_attribute(self, function: Any, attribute: int, value: int) -> None:
-        driver = cu()
-        check("cuFuncSetAttribute", driver.cuFuncSetAttribute(function, driver.CUfunction_attribute(attribute), value))
+    def set_attribute(self, function: int, attribute: int, value: int) -> None:
+        check("cuFuncSetAttribute", cu().cuFuncSetAttribute(function, attribute, value))
 
-    def failed(self, call: str, status: Any) -> Exception:
+    def failed(self, call: str, status: int) -> Exception:
         """The error for what launch_kernel returned when it was not launch_ok."""
-        return DriverError(call, status[0])
+        return DriverError(call, status)
 
-    def launch_cooperative(self, function: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
+    def launch_cooperative(self, function: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
                            stream: int, params: int) -> None:
         check("cuLaunchCooperativeKernel",
               cu().cuLaunchCooperativeKernel(function, gx, gy, gz, bx, by, bz, smem, stream, params))
@@ -200,16 +229,15 @@ class Bindings:
 
 
 @lru_cache(maxsize=1)
-def bindings() -> Bindings:
-    """The one Bindings of the process (NoDeviceError without bindings or a driver)."""
-    return Bindings()
+def libcuda() -> LibcudaDriver:
+    """The one LibcudaDriver of the process (NoDeviceError without a driver or a device)."""
+    return LibcudaDriver()
 
 
-def _error_name(status: Any) -> str:
-    try:
-        from cuda.bindings import driver
-
-        name = driver.cuGetErrorName(driver.CUresult(int(status)))[1]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # noqa: BLE001 - a code the bindings cannot name
-        return f"CUresult {int(status)}"
+def _error_name(status: int) -> str:
+    """CUDA_ERROR_... for a CUresult, from the driver where it can name it."""
+    library = _library()
+    name = ctypes.c_char_p()
+    if library is not None and library.cuGetErrorName(int(status), ctypes.byref(name)) == 0 and name.value:
+        return name.value.decode()
+    return f"CUresult {int(status)}"

@@ -2,10 +2,10 @@
 
 Everything that needs a CUDA driver lives here (and in driver.py), so the rest of the package
 imports without one. A variant is loaded and launched through one of two drivers behind one
-launch path (DriverBackend): CuPy's, for CuPy arrays, the tuner and the verification; or
-cuda-bindings' (driver.py), for torch tensors, so that a process that passes torch tensors to a
-warm kernel store never imports CuPy. The device's properties come from cuda-bindings where it is
-installed (torch brings it), else from CuPy.
+launch path (DriverBackend): CuPy's, for CuPy arrays, the tuner and the verification; or libcuda's
+own, through ctypes (driver.py), for torch tensors, so that a process that passes torch tensors to a
+warm kernel store imports neither CuPy nor any binding. The device's properties come from libcuda
+where it is found, else from CuPy.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from . import driver as _bindings
+from . import driver as _libcuda_driver
 from .errors import NoDeviceError, one_line
 from .families.base import Launch, Target, TensorMap, Variant
 
@@ -70,9 +70,9 @@ def device_info(index: int | None = None) -> DeviceInfo:
 
 def current_device() -> int:
     """The current device of this thread: the driver's current context (torch.cuda.device and
-    CuPy's Device both set it) through cuda-bindings where installed, else CuPy's."""
-    if _bindings.available():
-        return _bindings.current_device()
+    CuPy's Device both set it) from libcuda where it is found, else CuPy's."""
+    if _libcuda_driver.available():
+        return _libcuda_driver.current_device()
     return int(cupy_module().cuda.runtime.getDevice())
 
 
@@ -80,8 +80,8 @@ def current_device() -> int:
 def _device_info(index: int) -> DeviceInfo:
     from .compile import nvrtc_version
 
-    if _bindings.available():
-        props = _bindings.device_properties(index)
+    if _libcuda_driver.available():
+        props = _libcuda_driver.device_properties(index)
         target = Target(arch=f"{props['major']}{props['minor']}", name=props["name"], sm_count=props["sm_count"],
                         smem_optin=props["smem_optin"], l2_bytes=props["l2_bytes"])
         return DeviceInfo(index, target, nvrtc_version())
@@ -100,8 +100,8 @@ def _device_info(index: int) -> DeviceInfo:
 
 
 class DriverBackend(Protocol):
-    """How a LoadedVariant reaches the driver: CupyDriver (CuPy's bindings) or driver.Bindings
-    (cuda-bindings). Functions are the handles launch_kernel takes."""
+    """How a LoadedVariant reaches the driver: CupyDriver (CuPy's bindings) or
+    driver.LibcudaDriver (libcuda through ctypes). Functions are the handles launch_kernel takes."""
 
     name: str
     error: type[Exception]  # what its calls raise
@@ -184,8 +184,9 @@ def cupy_driver() -> CupyDriver:
 
 
 def torch_driver() -> DriverBackend:
-    """The driver torch tensors launch through: cuda-bindings where installed (no CuPy), else CuPy."""
-    return _bindings.bindings() if _bindings.available() else cupy_driver()
+    """The driver torch tensors launch through: libcuda's own (no CuPy). A torch CUDA tensor
+    means libcuda is loaded; without it, NoDeviceError."""
+    return _libcuda_driver.libcuda()
 
 
 def load_for_torch(variant: Variant, cubin: bytes) -> "LoadedVariant":
@@ -199,7 +200,7 @@ class LoadedVariant:
     Launches go straight to cuLaunchKernel with argument slots built once: the per-call cost
     is writing the buffer addresses into those slots, which keeps autosoft.softmax's host
     overhead close to a framework's own launch. `driver`: which binding loads and launches it
-    (DriverBackend): CuPy's by default (CuPy arrays, the tuner, verification), cuda-bindings'
+    (DriverBackend): CuPy's by default (CuPy arrays, the tuner, verification), libcuda's
     for torch tensors (load_for_torch), which never imports CuPy.
     """
 
@@ -327,7 +328,7 @@ class LoadedVariant:
                         if status == ok:
                             return
                         error = failed("cuLaunchKernel", status)
-                    except driver_error as exc:  # CuPy's binding raises where cuda-bindings returns
+                    except driver_error as exc:  # CuPy's binding raises where libcuda returns
                         error = exc
                     on_device((x, y, stream_ptr), error)
             else:
@@ -511,24 +512,13 @@ def encode_tensor_map(tmap: TensorMap, pointer: int, strides: tuple[int, ...] | 
     ones = (ctypes.c_uint32 * rank)(*([1] * rank))
     out = (ctypes.c_uint64 * 32)()  # the map must be 64-byte aligned: encoded into an aligned spot
     at = (ctypes.addressof(out) + 127) & ~127
-    result = _libcuda().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _TMA_DTYPES[tmap.dtype], rank,
+    result = _libcuda_driver.cu().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _TMA_DTYPES[tmap.dtype], rank,
                                                ctypes.c_void_p(pointer), dims, byte_strides, box, ones, 0,
                                                _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
     if result != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled refused the map of {tmap.array} (shape {shape}, strides {steps}, "
                            f"address {pointer:#x}): CUresult {result}")
     return ctypes.string_at(at, _TENSOR_MAP_BYTES)
-
-
-@lru_cache(maxsize=1)
-def _libcuda() -> Any:
-    """The CUDA driver library (CuPy has no binding for cuTensorMapEncodeTiled)."""
-    lib = ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
-    fn = lib.cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return lib
 
 
 @lru_cache(maxsize=1)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class RecordingDriver:
-    """A DriverBackend that keeps what LoadedVariant asks of it. Like cuda-bindings, its launch
+    """A DriverBackend that keeps what LoadedVariant asks of it. Like libcuda, its launch
     returns a status (launch_ok or a failure) instead of raising; a launch made while a device
     other than `works_on` is current fails. Each launch reads the kernel's parameters back through
     the params address it was given, as the driver does."""
@@ -168,7 +168,7 @@ def test_workspaces_come_from_the_driver_once_per_stream_and_cooperative_launche
 
 def test_the_torch_path_from_a_warm_store_to_the_driver_imports_no_cupy(tmp_path):
     """Choose, render, digest (the local NVRTC's version), read a warm store's cubin, load through
-    cuda-bindings: none of it imports CuPy. The load itself fails here without a GPU (and on a GPU
+    libcuda: none of it imports CuPy. The load itself fails here without a GPU (and on a GPU
     on the made-up cubin): it is the import structure that is checked."""
     script = textwrap.dedent(f"""
         import sys

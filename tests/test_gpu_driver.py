@@ -1,4 +1,4 @@
-"""The launch through cuda-bindings (autosoft/driver.py) on the GPU: the same bits as the launch
+"""The launch through libcuda (autosoft/driver.py) on the GPU: the same bits as the launch
 through CuPy on every family's examples, the device read alike through both, and a process that
 passes torch tensors to every public function with a warm kernel store never imports CuPy."""
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_the_driver_reads_the_device_as_cupy_does():
 @pytest.mark.parametrize("name, shape, dtype, options", _examples(), ids=lambda v: str(v).replace(" ", ""))
 def test_the_driver_launch_gives_the_bits_of_the_cupy_launch(cache_dir, name, shape, dtype, options):
     """Each family's examples, default variant: the same inputs through a LoadedVariant of each
-    driver (cuda-bindings, CuPy), outputs compared bit for bit. The examples hold cooperative
+    driver (libcuda, CuPy), outputs compared bit for bit. The examples hold cooperative
     splits with workspaces, clusters and large dynamic shared memory, which each must set up."""
     from autosoft import driver
     from autosoft.evaluate import allocate_outputs
@@ -55,7 +55,7 @@ def test_the_driver_launch_gives_the_bits_of_the_cupy_launch(cache_dir, name, sh
     problem = family.problem(shape, dtype, options)
     variant = build_variant(family, problem, family.default_params(problem, target), target)
     cubin = default_store().get_or_compile(variant)
-    through = {"bindings": LoadedVariant(variant, cubin, driver.bindings()),
+    through = {"libcuda": LoadedVariant(variant, cubin, driver.libcuda()),
                "cupy": LoadedVariant(variant, cubin, cupy_driver())}
     inputs = family.make_inputs(problem, family.input_kinds[0], cp, cp.random.default_rng(5))
     results = {}
@@ -65,7 +65,7 @@ def test_the_driver_launch_gives_the_bits_of_the_cupy_launch(cache_dir, name, sh
             loaded.launch({**inputs, **outputs})
         cp.cuda.runtime.deviceSynchronize()
         results[label] = {k: cp.asnumpy(v).tobytes() for k, v in outputs.items()}
-    assert results["bindings"] == results["cupy"]
+    assert results["libcuda"] == results["cupy"]
 
 
 def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -78,6 +78,7 @@ _EVERY_FUNCTION = textwrap.dedent("""
     import torch
     import autosoft
 
+    before = set(sys.modules)  # what torch itself imported
     dev = "cuda"
     x = torch.randn(64, 1000, device=dev)
     q, k, v = (torch.randn(1, 2, 100, 64, device=dev, dtype=torch.float16) for _ in range(3))
@@ -101,13 +102,17 @@ _EVERY_FUNCTION = textwrap.dedent("""
         for name in calls:
             calls[name]()
     torch.cuda.synchronize()
-    print(json.dumps({"cupy": "cupy" in sys.modules, "uncalled": sorted(set(functions) - set(calls))}))
+    ours = set(sys.modules) - before
+    print(json.dumps({"cupy": "cupy" in sys.modules, "uncalled": sorted(set(functions) - set(calls)),
+                      "nvrtc": sorted(m for m in ours if m.endswith("nvrtc")),
+                      "bindings": sorted(m for m in ours if m.startswith("cuda.bindings.driver"))}))
 """)
 
 
 def test_a_torch_process_with_a_warm_store_never_imports_cupy(tmp_path):
     """The first process fills the kernel store (compiling and verifying may import CuPy); a fresh
-    one then calls every public function on torch tensors: no CuPy, and the same results."""
+    one then calls every public function on torch tensors: no CuPy, no NVRTC, no binding of the
+    driver, and the same results."""
     pytest.importorskip("torch")
     env = dict(os.environ, AUTOSOFT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
     env.pop("AUTOSOFT_KERNEL_STORE", None)
@@ -120,6 +125,8 @@ def test_a_torch_process_with_a_warm_store_never_imports_cupy(tmp_path):
     result = json.loads(warm.stdout.strip().splitlines()[-1])
     assert result["uncalled"] == [], f"public functions this test does not call yet: {result['uncalled']}"
     assert result["cupy"] is False, "a warm store's torch process imported CuPy"
+    assert result["nvrtc"] == [], "a warm store's process loaded NVRTC (its version is recorded beside the store)"
+    assert result["bindings"] == [], "the launch goes through libcuda itself, not cuda-bindings"
 
 
 def test_torch_tensors_on_a_thread_without_a_current_context():

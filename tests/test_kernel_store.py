@@ -3,7 +3,9 @@ unwritable folders, verification records; and compile.py's one-line error when l
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -310,6 +312,8 @@ def no_nvrtc(monkeypatch):
     monkeypatch.setattr(compiler, "_binding", lambda: _MissingNvrtc())
     # cuda-bindings finds no libnvrtc either: it answers None, and CuPy's binding says what to install
     monkeypatch.setattr(compiler, "_bindings_nvrtc_version", lambda: None)
+    # and the library a process recorded beside the store is gone with it
+    monkeypatch.setattr(compiler, "_recorded_nvrtc_version", lambda: None)
     compiler._nvrtc.cache_clear()
     compiler.nvrtc_version.cache_clear()
     yield
@@ -350,3 +354,41 @@ def test_the_cli_says_it_in_one_line_with_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("autosoft: error: NVRTC (libnvrtc.so.13) could not be loaded")
     assert "autosoft[cuda13]" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "out.cu").exists()
+
+
+def _fresh_process_version(store: Path) -> dict:
+    """nvrtc_version() in a fresh process whose kernel store is `store`: the version, and whether
+    NVRTC's bindings were imported to get it."""
+    code = ("import json, sys\n"
+            "from autosoft.compile import nvrtc_version\n"
+            "v = nvrtc_version()\n"
+            "print(json.dumps({'version': v, 'loaded': 'cuda.bindings.nvrtc' in sys.modules\n"
+            "                  or 'cupy_backends.cuda.libs.nvrtc' in sys.modules}))\n")
+    env = {**os.environ, "AUTOSOFT_KERNEL_STORE": str(store), "PYTHONPATH": str(Path(__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_reads_the_recorded_nvrtc_version_without_loading_nvrtc(tmp_path):
+    """The first process asks NVRTC and records its library beside the store; the next one of the
+    same environment reads the record and loads nothing; a record whose library changed size is
+    not believed (that process asks NVRTC again and records the truth)."""
+    store = tmp_path / "kernels"
+    first = _fresh_process_version(store)
+    assert first["loaded"] and re.fullmatch(r"\d+\.\d+", first["version"])
+    records = json.loads((store / compiler.NVRTC_RECORD).read_text())
+    (entry,) = records.values()
+    assert Path(entry["library"]).name.startswith("libnvrtc") and entry["version"] == first["version"]
+    assert _fresh_process_version(store) == {"version": first["version"], "loaded": False}
+    entry["size"] += 1
+    (store / compiler.NVRTC_RECORD).write_text(json.dumps(records))
+    assert _fresh_process_version(store) == {"version": first["version"], "loaded": True}
+    assert _fresh_process_version(store)["loaded"] is False
+
+
+def test_a_damaged_or_foreign_record_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSOFT_KERNEL_STORE", str(tmp_path))
+    for text in ("not json", "[]", '{"x": 1}', json.dumps({compiler._environment_key(): {"library": "/nonexistent"}})):
+        (tmp_path / compiler.NVRTC_RECORD).write_text(text)
+        assert compiler._recorded_nvrtc_version() is None
