@@ -185,8 +185,29 @@ class LibcudaDriver:
     launch_ok = 0  # what launch_kernel returns on success (CUDA_SUCCESS)
 
     def __init__(self) -> None:
-        # the launch itself: the typed foreign function, called directly (no wrapper on the hot path)
-        self.launch_kernel = cu().cuLaunchKernel
+        self.launch_kernel = cu().cuLaunchKernel  # typed: takes ints
+        # The same function without argument types, for bound_launch: it is handed ctypes objects
+        # made once, which ctypes passes as they are (no conversion per argument and call).
+        untyped = ctypes.CDLL(_LIBRARY).cuLaunchKernel
+        untyped.restype = _I
+        self._launch_untyped = untyped
+
+    def bound_launch(self, function: int, geometry: tuple[int, ...], params: int) -> Any:
+        """start(stream) launches `function` with this geometry and argument array on the stream
+        (an int), returning the CUresult."""
+        launch = self._launch_untyped
+        handle, arguments = _P(function), _P(params)
+        gx, gy, gz, bx, by, bz, smem = (_U(v) for v in geometry)
+        streams: dict[int, Any] = {}  # the handles a plan meets are few: each wrapped once
+
+        def start(stream: int) -> int:
+            wrapped = streams.get(stream)
+            if wrapped is None:
+                if len(streams) >= 64:
+                    streams.clear()
+                wrapped = streams[stream] = _P(stream)
+            return launch(handle, gx, gy, gz, bx, by, bz, smem, wrapped, arguments, None)
+        return start
 
     def load(self, cubin: bytes, device: int) -> int:
         with on_device(device):

@@ -62,6 +62,9 @@ class RecordingDriver:
         self._record("plain", function, (gx, gy, gz, bx, by, bz, smem), stream, params)
         return self.launch_ok if self.now == self.works_on else ("CUDA_ERROR_INVALID_CONTEXT",)
 
+    def bound_launch(self, function, geometry, params):
+        return lambda stream: self.launch_kernel(function, *geometry, stream, params, 0)
+
     def launch_cooperative(self, function, gx, gy, gz, bx, by, bz, smem, stream, params) -> None:
         self._record("cooperative", function, (gx, gy, gz, bx, by, bz, smem), stream, params)
 
