@@ -1,13 +1,16 @@
-"""Shared helpers of the CPU test tier: cache entries made by hand, running the CLI, finding CUDA tools."""
+"""Shared helpers of the test tiers: cache entries made by hand, running the CLI, finding CUDA tools,
+compiling GPU variants together, choosing a pairwise covering of a search space."""
 from __future__ import annotations
 
+import concurrent.futures as cf
+import heapq
 import os
 import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -140,3 +143,68 @@ def loaded_variant(family: Any, problem: Any, params: dict[str, Any]) -> Any:
     result = compile_source(variant.source, variant.target.arch)
     assert result.ok, f"{variant.name}: {result.log[:2000]}"
     return LoadedVariant(variant, result.cubin)
+
+
+# What this process has compiled, by (source digest, arch): a variant several GPU tests check
+# (a default, a seed) compiles once per run.
+_COMPILED: dict[tuple[str, str], Any] = {}
+
+
+def compiled(variants: Sequence[Any]) -> list[Any]:
+    """Each variant's NVRTC CompileResult, in order. The variants this process has not compiled
+    yet compile together in a pool of min(16, CPUs) threads (CuPy's NVRTC binding releases the
+    GIL while it compiles); every result is kept by (source digest, arch) for the whole run."""
+    from autosoft.compile import compile_source
+
+    keys = [(variant.digest, variant.target.arch) for variant in variants]
+    todo = {key: variant for key, variant in zip(keys, variants) if key not in _COMPILED}
+    if todo:
+        with cf.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+            results = pool.map(lambda v: compile_source(v.source, v.target.arch), todo.values())
+            _COMPILED.update(zip(todo, results))
+    return [_COMPILED[key] for key in keys]
+
+
+def loaded_variants(variants: Sequence[Any]) -> Iterator[Any]:
+    """The variants compiled together (`compiled`), then each loaded as the caller reaches it,
+    so that a test verifies one variant at a time; a variant that does not compile fails the test."""
+    from autosoft.runtime import LoadedVariant
+
+    for variant, result in zip(variants, compiled(variants)):
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        yield LoadedVariant(variant, result.cubin)
+
+
+def pairwise_cover(points: Sequence[dict[str, Any]], first: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """A pairwise covering of `points`: `first` (each once), then points chosen greedily until
+    every pair of values of two parameters that appear together in some point of `points`
+    appear together in a chosen one. Each step takes the point covering the most pairs not yet
+    covered, the earliest on a tie (deterministic). Gains only shrink as pairs get covered, so a
+    point's last computed gain bounds its gain now: only the heap's top is recomputed (lazy greedy,
+    the same choices as recomputing every point each step)."""
+    ids: dict[tuple[Any, ...], int] = {}
+
+    def pairs(point: dict[str, Any]) -> set[int]:
+        items = sorted((name, repr(value)) for name, value in point.items())  # repr: True is not 1
+        return {ids.setdefault((a, b), len(ids)) for i, a in enumerate(items) for b in items[i + 1:]}
+
+    chosen: list[dict[str, Any]] = []
+    covered: set[int] = set()
+    for point in first:
+        if point not in chosen:
+            chosen.append(point)
+            covered |= pairs(point)
+    candidates = [pairs(point) for point in points]
+    heap = [(-len(c - covered), i) for i, c in enumerate(candidates)]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        gain = len(candidates[i] - covered)
+        if gain == 0:
+            continue  # nothing left for it: it is never chosen
+        if heap and (-gain, i) > heap[0]:
+            heapq.heappush(heap, (-gain, i))  # its bound was stale and another may gain more
+            continue
+        chosen.append(points[i])  # new pairs: not a point chosen before
+        covered |= candidates[i]
+    return chosen
