@@ -12,7 +12,7 @@ from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.attention import TOLERANCE
 from autosoft.families.base import build_variant, space_of
-from helpers import compiled, loaded_variants, pairwise_cover, sample_points
+from helpers import compile_ahead, compiled, loaded_variants, pairwise_cover, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def _default(shape, dtype: str, causal: bool):
 def _cubin_among(variant, shapes) -> bytes:
     """The variant's cubin, compiled (on a test's first call) together with the defaults of every
     shape, dtype and mask the test is parametrised with: one batch instead of one compile a test."""
-    compiled([_default(s, dtype, causal) for s in shapes for dtype in DTYPES for causal in (False, True)])
+    compile_ahead([_default(s, dtype, causal) for s in shapes for dtype in DTYPES for causal in (False, True)])
     (result,) = compiled([variant])
     assert result.ok, f"{variant.name}: {result.log[:2000]}"
     return result.cubin

@@ -9,7 +9,7 @@ from autosoft.evaluate import Status, evaluate, poisoned, verify
 from autosoft.families import get_family
 from autosoft.families.base import ITEMSIZE, Problem, build_variant
 from autosoft.dtypes import to_storage
-from helpers import compiled, loaded_variants, sample_points
+from helpers import compile_ahead, loaded_variants, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -52,8 +52,8 @@ def _loaded(problem: Problem, params: dict):
 
 
 def _compile_together(problem: Problem, points: list[dict]) -> None:
-    """Compile the points' variants in one batch, ahead of the test's _loaded calls."""
-    compiled([build_variant(get_family("softmax"), problem, params, _device().target) for params in points])
+    """Start compiling the points' variants together, ahead of the test's _loaded calls."""
+    compile_ahead([build_variant(get_family("softmax"), problem, params, _device().target) for params in points])
 
 
 def _assert_correct(problem: Problem, params: dict, xs, seed: int):
