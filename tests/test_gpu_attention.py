@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def _wrong(variants, seed: int) -> list[str]:
     for loaded in loaded_variants(variants):
         wrong = verify(FAMILY, loaded, seed=seed)
         if wrong:
-            failures.append(f"{loaded.variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text}: {wrong}")
     return failures
 
 
@@ -59,7 +60,8 @@ def test_sampled_variants_are_correct(dtype, causal):
     assert not failures, "\n".join(failures)
 
 
-def _default(shape, dtype: str, causal: bool):
+@lru_cache(maxsize=None)  # each test of a parametrised group asks for all the group's defaults
+def _default(shape: tuple[int, ...], dtype: str, causal: bool):
     """The default variant of a (B, H, N, D) problem."""
     problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
     return build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())

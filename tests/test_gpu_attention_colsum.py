@@ -39,7 +39,7 @@ def _wrong(variants, seed: int) -> list[str]:
     for loaded in loaded_variants(variants):
         wrong = verify(FAMILY, loaded, seed=seed)
         if wrong:
-            failures.append(f"{loaded.variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text}: {wrong}")
     return failures
 
 
