@@ -89,8 +89,8 @@ def test_an_inplace_kernel_writes_the_gradient_over_its_logits():
     import cupy as cp
 
     problem = FAMILY.problem("24x50257", "bfloat16", {"inplace": True})
-    for params in _one_per_strategy(problem):
-        loaded = _loaded(problem, params)
+    target = _device().target
+    for loaded in loaded_variants([build_variant(FAMILY, problem, p, target) for p in _one_per_strategy(problem)]):
         inputs = FAMILY.make_inputs(problem, "smoothed", cp, cp.random.default_rng(5))
         original = {**inputs, "logits": inputs["logits"].copy()}
         loss = cp.full(24, cp.nan, dtype=cp.float32)

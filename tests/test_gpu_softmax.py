@@ -180,14 +180,14 @@ def test_staggered_first_waves_are_correct(dtype):
     problem = Problem("softmax", dtype, (300, 32768))
     xs = to_storage(cp.random.default_rng(9).standard_normal(problem.shape, dtype=cp.float32), dtype, cp)
     target = _device().target
-    checked = []
-    for layout in ({"storage": "smem", "normalise": "online", "chunks": 4},
-                   {"storage": "registers", "normalise": "three_pass"}):
-        for persistent in (False, True):
-            params = {**family.default_params(problem, target), "threads": 1024, "row_threads": 1024,
-                      "vec": 16 // ITEMSIZE[dtype], "unroll": 1, "split": 1, "combine": "launches",
-                      "persistent": persistent, "stagger": 4000, **layout}
-            checked.append(_assert_correct(problem, params, xs, seed=17).name)
+    points = [{**family.default_params(problem, target), "threads": 1024, "row_threads": 1024,
+               "vec": 16 // ITEMSIZE[dtype], "unroll": 1, "split": 1, "combine": "launches",
+               "persistent": persistent, "stagger": 4000, **layout}
+              for layout in ({"storage": "smem", "normalise": "online", "chunks": 4},
+                             {"storage": "registers", "normalise": "three_pass"})
+              for persistent in (False, True)]
+    _compile_together(problem, points)
+    checked = [_assert_correct(problem, params, xs, seed=17).name for params in points]
     assert len(checked) == 4 and all("_stagger4000" in name for name in checked), checked
 
 
