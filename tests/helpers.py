@@ -1,13 +1,16 @@
-"""Shared helpers of the CPU test tier: cache entries made by hand, running the CLI, finding CUDA tools."""
+"""Shared helpers of the test tiers: cache entries made by hand, running the CLI, finding CUDA tools,
+compiling GPU variants together, choosing a pairwise covering of a search space."""
 from __future__ import annotations
 
+import concurrent.futures as cf
+import heapq
 import os
 import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -140,3 +143,85 @@ def loaded_variant(family: Any, problem: Any, params: dict[str, Any]) -> Any:
     result = compile_source(variant.source, variant.target.arch)
     assert result.ok, f"{variant.name}: {result.log[:2000]}"
     return LoadedVariant(variant, result.cubin)
+
+
+# What this process has compiled or is compiling, by (source digest, arch): a variant several GPU
+# tests check (a default, a seed) compiles once per run.
+_COMPILED: dict[tuple[str, str], cf.Future] = {}
+_POOL: list[cf.ThreadPoolExecutor] = []
+
+
+def _submitted(variants: Sequence[Any]) -> list[cf.Future]:
+    """Each variant's compilation, in order: those not yet asked for this run go to a pool of
+    min(16, CPUs) threads, shared by the whole run (CuPy's NVRTC binding releases the GIL while
+    it compiles, so they compile in parallel)."""
+    from autosoft.compile import compile_source
+
+    if not _POOL:
+        _POOL.append(cf.ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="nvrtc"))
+    futures = []
+    for variant in variants:
+        key = (variant.digest, variant.target.arch)
+        if key not in _COMPILED:
+            _COMPILED[key] = _POOL[0].submit(compile_source, variant.source, variant.target.arch)
+        futures.append(_COMPILED[key])
+    return futures
+
+
+def compile_ahead(variants: Sequence[Any]) -> None:
+    """Start compiling the variants in the pool without waiting: a test parametrised over several
+    problems hands over all of them on its first call, and each call then takes its own."""
+    _submitted(variants)
+
+
+def compiled(variants: Sequence[Any]) -> list[Any]:
+    """Each variant's NVRTC CompileResult, in order, the variants compiled together in the pool;
+    every result is kept by (source digest, arch) for the whole run."""
+    return [future.result() for future in _submitted(variants)]
+
+
+def loaded_variants(variants: Sequence[Any]) -> Iterator[Any]:
+    """The variants compiled together (as `compiled` does), each loaded as soon as its own
+    compilation ends and the caller asks for it: the test verifies one variant on the GPU while
+    the pool compiles the next ones. A variant that does not compile fails the test."""
+    from autosoft.runtime import LoadedVariant
+
+    for variant, future in zip(variants, _submitted(variants)):
+        result = future.result()
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+        yield LoadedVariant(variant, result.cubin)
+
+
+def pairwise_cover(points: Sequence[dict[str, Any]], first: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """A pairwise covering of `points`: `first` (each once), then points chosen greedily until
+    every pair of values of two parameters that appear together in some point of `points`
+    appear together in a chosen one. Each step takes the point covering the most pairs not yet
+    covered, the earliest on a tie (deterministic). Gains only shrink as pairs get covered, so a
+    point's last computed gain bounds its gain now: only the heap's top is recomputed (lazy greedy,
+    the same choices as recomputing every point each step)."""
+    ids: dict[tuple[Any, ...], int] = {}
+
+    def pairs(point: dict[str, Any]) -> set[int]:
+        items = sorted((name, repr(value)) for name, value in point.items())  # repr: True is not 1
+        return {ids.setdefault((a, b), len(ids)) for i, a in enumerate(items) for b in items[i + 1:]}
+
+    chosen: list[dict[str, Any]] = []
+    covered: set[int] = set()
+    for point in first:
+        if point not in chosen:
+            chosen.append(point)
+            covered |= pairs(point)
+    candidates = [pairs(point) for point in points]
+    heap = [(-len(c - covered), i) for i, c in enumerate(candidates)]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        gain = len(candidates[i] - covered)
+        if gain == 0:
+            continue  # nothing left for it: it is never chosen
+        if heap and (-gain, i) > heap[0]:
+            heapq.heappush(heap, (-gain, i))  # its bound was stale and another may gain more
+            continue
+        chosen.append(points[i])  # new pairs: not a point chosen before
+        covered |= candidates[i]
+    return chosen

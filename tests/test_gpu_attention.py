@@ -1,8 +1,8 @@
 """GPU tier for the attention family: sampled variants against the float64 reference, torch SDPA, a short tune."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
+from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.attention import TOLERANCE
 from autosoft.families.base import build_variant, space_of
-from helpers import sample_points
+from helpers import compile_ahead, compiled, loaded_variants, pairwise_cover, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -37,53 +37,71 @@ def _sample(problem, k: int, seed: int) -> list[dict]:
 
 
 def _wrong(variants, seed: int) -> list[str]:
-    """Compile and verify each variant; the failures, described."""
-    from autosoft.runtime import LoadedVariant
-
+    """Compile the variants together, then verify each; the failures, described."""
     failures = []
-    for variant, result in zip(variants, _compiled(variants)):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=seed)
+    for loaded in loaded_variants(variants):
+        wrong = verify(FAMILY, loaded, seed=seed)
         if wrong:
-            failures.append(f"{variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text}: {wrong}")
     return failures
-
-
-def _compiled(variants):
-    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
-        return list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_sampled_variants_are_correct(shape, dtype, causal):
-    problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
-    variants = [build_variant(FAMILY, problem, p, _target())
-                for p in _sample(problem, 3, seed=sum(shape) * 7 + len(dtype) + causal)]
+def test_sampled_variants_are_correct(dtype, causal):
+    """On every shape of SHAPES: the default, its first seeds and three random points; all the
+    shapes' variants compile together."""
+    variants = []
+    for shape in SHAPES:
+        problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
+        variants += [build_variant(FAMILY, problem, p, _target())
+                     for p in _sample(problem, 3, seed=sum(shape) * 7 + len(dtype) + causal)]
     failures = _wrong(variants, seed=11)
     assert not failures, "\n".join(failures)
 
 
+@lru_cache(maxsize=None)  # each test of a parametrised group asks for all the group's defaults
+def _default(shape: tuple[int, ...], dtype: str, causal: bool):
+    """The default variant of a (B, H, N, D) problem."""
+    problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
+    return build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
+
+
+def _cubin_among(variant, shapes) -> bytes:
+    """The variant's cubin, compiled (on a test's first call) together with the defaults of every
+    shape, dtype and mask the test is parametrised with: one batch instead of one compile a test."""
+    compile_ahead([_default(s, dtype, causal) for s in shapes for dtype in DTYPES for causal in (False, True)])
+    (result,) = compiled([variant])
+    assert result.ok, f"{variant.name}: {result.log[:2000]}"
+    return result.cubin
+
+
+DTYPES = ["float16", "bfloat16"]
+FILL_SHAPES = [(4, 32, 2048, 64), (4, 32, 2048, 128)]
+SDPA_SHAPES = [(2, 4, 1000, 64), (1, 8, 777, 128), (3, 2, 64, 32)]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 def test_default_fills_the_gpu_and_is_correct(d, dtype, causal):
     """B*H = 128 heads of 2048 queries: thousands of blocks, every SM busy, causal tiles of every length."""
-    problem = FAMILY.problem(f"4,32,2048,{d}", dtype, ("causal",) if causal else ())
-    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
+    variant = _default((4, 32, 2048, d), dtype, causal)
     assert variant.launches[0].grid[0] * 4 * 32 >= 4 * _target().sm_count
-    outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=5, reps=5)
+    outcome = evaluate(FAMILY, variant, _cubin_among(variant, FILL_SHAPES), seed=5, reps=5)
     assert outcome.ok, f"{variant.name}: {outcome.message}"
 
 
-@pytest.mark.parametrize("shard", range(8))
-def test_every_variant_of_a_tail_problem_is_correct(shard):
-    """All valid points for one awkward shape (N not a multiple of any tile), causal; in eight
-    shards, so that a parallel run spreads them."""
+def test_a_pairwise_covering_of_a_tail_problem_is_correct():
+    """One awkward shape (N not a multiple of any tile), causal: the default and a pairwise
+    covering of its valid points (every pair of values of two parameters that some valid point
+    holds is held by a chosen point: each engine with each tile, pipeline and schedule, each
+    tile with each schedule, and so on), chosen greedily and deterministically."""
     problem = FAMILY.problem("1,2,555,64", "bfloat16", ("causal",))
-    points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))[shard::8]
-    variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
+    target = _target()
+    valid = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target))
+    points = pairwise_cover(valid, first=[FAMILY.default_params(problem, target)])
+    variants = [build_variant(FAMILY, problem, p, target) for p in points]
     failures = _wrong(variants, seed=3)
     assert not failures, "\n".join(failures)
 
@@ -97,8 +115,6 @@ def test_persistent_blocks_taking_tiles_from_a_queue_are_right_launch_after_laun
     """wgmma blocks that take their tiles from a counter in the workspace: every tile is computed
     once in each of several launches on fresh inputs (the last block out sets the counter back to
     zero; if it did not, the second launch would leave all but each block's first tile unwritten)."""
-    from autosoft.runtime import LoadedVariant
-
     if _target().arch != "90":
         pytest.skip("the wgmma kernel needs sm_90a")
     problem = FAMILY.problem(shape, "bfloat16", options)
@@ -106,9 +122,8 @@ def test_persistent_blocks_taking_tiles_from_a_queue_are_right_launch_after_laun
     points = [p for p in FAMILY.seed_params(problem, _target()) if p.get("queue")][:3]
     assert points and default["engine"] == "wgmma"
     variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
-    for variant, result in zip(variants, _compiled(variants)):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        loaded = LoadedVariant(variant, result.cubin)
+    for loaded in loaded_variants(variants):
+        variant = loaded.variant
         for seed in (1, 2, 3):
             wrong = verify(FAMILY, loaded, seed=seed)
             assert not wrong, f"{variant.name}, launch {seed}: {wrong}"
@@ -126,8 +141,6 @@ def test_chained_tiles_are_right_launch_after_launch(shape, options):
     """Persistent blocks that issue the next tile's first S with the current tile's last P.V: every
     chained point among the seeds and the default's tiles chained (ping-pong or not, queue or
     not, tiles without keys that break the chain), on fresh inputs in two launches."""
-    from autosoft.runtime import LoadedVariant
-
     if _target().arch != "90":
         pytest.skip("the wgmma kernel needs sm_90a")
     problem = FAMILY.problem(shape, "bfloat16", options)
@@ -139,9 +152,8 @@ def test_chained_tiles_are_right_launch_after_launch(shape, options):
         points.append(mine)
     assert points
     variants = [build_variant(FAMILY, problem, p, _target()) for p in points]
-    for variant, result in zip(variants, _compiled(variants)):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        loaded = LoadedVariant(variant, result.cubin)
+    for loaded in loaded_variants(variants):
+        variant = loaded.variant
         for seed in (4, 5):
             wrong = verify(FAMILY, loaded, seed=seed)
             assert not wrong, f"{variant.name}, launch {seed}: {wrong}"
@@ -150,11 +162,9 @@ def test_chained_tiles_are_right_launch_after_launch(shape, options):
 def test_scale_is_a_runtime_argument():
     import cupy as cp
 
-    from autosoft.runtime import LoadedVariant
-
     problem = FAMILY.problem("1,2,300,64", "float16", ("causal",))
     variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
-    loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
+    (loaded,) = loaded_variants([variant])
     for scale in (0.05, 0.125, 1.0):
         inputs = {**FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(2)), "scale": np.float32(scale)}
         outputs = allocate_outputs(FAMILY, variant, cp)
@@ -164,16 +174,15 @@ def test_scale_is_a_runtime_argument():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", [(2, 4, 1000, 64), (1, 8, 777, 128), (3, 2, 64, 32)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SDPA_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_torch_sdpa(shape, dtype, causal):
     torch = pytest.importorskip("torch")
     import cupy as cp
 
     from autosoft.runtime import LoadedVariant
 
-    problem = FAMILY.problem(",".join(map(str, shape)), dtype, ("causal",) if causal else ())
-    variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, _target()), _target())
-    loaded = LoadedVariant(variant, compile_source(variant.source, variant.target.arch).cubin)
+    variant = _default(shape, dtype, causal)
+    loaded = LoadedVariant(variant, _cubin_among(variant, SDPA_SHAPES))
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(shape, device="cuda", generator=gen).to(tdtype) for _ in range(3))

@@ -2,8 +2,6 @@
 colsum, and column sums that add to the number of queries), the public function, a short tune."""
 from __future__ import annotations
 
-import concurrent.futures as cf
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,7 @@ from autosoft.compile import compile_source
 from autosoft.evaluate import Status, allocate_outputs, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.base import build_variant, space_of
-from helpers import sample_points
+from helpers import loaded_variants, pairwise_cover, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -35,20 +33,13 @@ def _target():
     return device_info().target
 
 
-def _compiled(variants):
-    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
-        return list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
-
-
 def _wrong(variants, seed: int) -> list[str]:
-    from autosoft.runtime import LoadedVariant
-
+    """Compile the variants together, then verify each; the failures, described."""
     failures = []
-    for variant, result in zip(variants, _compiled(variants)):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=seed)
+    for loaded in loaded_variants(variants):
+        wrong = verify(FAMILY, loaded, seed=seed)
         if wrong:
-            failures.append(f"{variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text}: {wrong}")
     return failures
 
 
@@ -58,36 +49,37 @@ def _problem(b, h, n, d, split, dtype, causal, deterministic=False):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + f"_split{c[4]}")
-def test_both_passes_are_correct(case, dtype, causal):
-    """The default and seeds, random points and the mma kernel's default with each pass, on
-    normal, x10 and equal inputs (on sm_90 the default and first seeds are wgmma pairs, which
-    take the key-major pass only)."""
-    problem = _problem(*case, dtype, causal)
-    points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal, seeds=12)
-    mma = _mma_default(problem, _target())
-    points += [q for q in ({**mma, "colsum": "fused", "km_split": 1}, {**mma, "colsum": "key_major"})
-               if q not in points and FAMILY.is_valid(problem, _target(), q)]
-    ways = {p["colsum"] for p in points}
-    assert ways == {"fused", "key_major"}, ways
-    failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=13)
+def test_both_passes_are_correct(dtype, causal):
+    """On every case of CASES: the default and seeds, random points and the mma kernel's default
+    with each pass, on normal, x10 and equal inputs (on sm_90 the default and first seeds are
+    wgmma pairs, which take the key-major pass only); all the cases' variants compile together."""
+    variants = []
+    for case in CASES:
+        problem = _problem(*case, dtype, causal)
+        points = sample_points(FAMILY, problem, _target(), 3, seed=sum(case) + causal, seeds=12)
+        mma = _mma_default(problem, _target())
+        points += [q for q in ({**mma, "colsum": "fused", "km_split": 1}, {**mma, "colsum": "key_major"})
+                   if q not in points and FAMILY.is_valid(problem, _target(), q)]
+        ways = {p["colsum"] for p in points}
+        assert ways == {"fused", "key_major"}, (case, ways)
+        variants += [build_variant(FAMILY, problem, p, _target()) for p in points]
+    failures = _wrong(variants, seed=13)
     assert not failures, "\n".join(failures)
 
 
-def test_every_pass_variant_of_a_tail_problem_is_correct():
-    """N and split inside tiles, causal: every fused point (the pass runs inside each attention
-    tiling), every key-major tiling, pipeline, layout and fragment source over one attention
-    tiling per warp count (the attention kernel itself is the attention family's, tested there),
-    and every split of the query tiles among blocks over one pipeline and layout (with the mma
-    attention kernel; the wgmma one has its own test below)."""
+def test_a_pairwise_covering_of_the_passes_on_a_tail_problem_is_correct():
+    """N and split inside tiles, causal: the default and a pairwise covering of the valid points
+    with the mma attention kernel (the wgmma one has its own test below): every pair of values of
+    two parameters that some such point holds is held by a chosen point, so each pass meets each
+    attention tiling and warp count, and each key-major tiling, pipeline, layout, fragment source
+    and split of the query tiles meets each other; chosen greedily and deterministically."""
     problem = _problem(1, 2, 555, 64, 300, "bfloat16", True)
-    one_tiling = {"block_n": 64, "stages": 2, "layout": "swizzle"}
-    points = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
-              if p["engine"] == "mma" and (p["colsum"] == "fused" or (
-                  p["block_n"] == 64 and p["block_m"] == 16 * p["warps"] and (
-                      p["km_split"] == 1 or all(p[k] == v for k, v in one_tiling.items()))))]
-    assert len(points) > 250 and {p["km_split"] for p in points} == {1, 2, 4, 8}
-    failures = _wrong([build_variant(FAMILY, problem, p, _target()) for p in points], seed=3)
+    target = _target()
+    mma = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)) if p["engine"] == "mma"]
+    points = pairwise_cover(mma)
+    points += [p for p in [FAMILY.default_params(problem, target)] if p not in points]
+    assert {p["km_split"] for p in points} == {1, 2, 4, 8} and {p["colsum"] for p in points} == {"fused", "key_major"}
+    failures = _wrong([build_variant(FAMILY, problem, p, target) for p in points], seed=3)
     assert not failures, "\n".join(failures)
 
 

@@ -10,11 +10,12 @@ Every distinct (dtype, D, group, Nq, Nkv, mask, cap) is one kernel compiled on i
 cases share kernels where they can (batch and head counts are run-time values)."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
 from typing import NamedTuple
 
 import pytest
+
+from helpers import loaded_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -406,23 +407,16 @@ def test_sampled_variants_are_correct(shape, dtype, options):
 
 
 def _wrong_points(family, problem, target, points, seeds) -> list[str]:
-    """Compile the points' variants and verify each once per seed: the failures, described."""
-    from autosoft.compile import compile_source
+    """Compile the points' variants together and verify each once per seed: the failures, described."""
     from autosoft.evaluate import verify
     from autosoft.families.base import build_variant
-    from autosoft.runtime import LoadedVariant
 
-    variants = [build_variant(family, problem, p, target) for p in points]
-    with cf.ThreadPoolExecutor(8) as pool:  # NVRTC releases the GIL while it compiles
-        results = list(pool.map(lambda v: compile_source(v.source, v.target.arch), variants))
     failures = []
-    for variant, result in zip(variants, results):
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        loaded = LoadedVariant(variant, result.cubin)
+    for loaded in loaded_variants([build_variant(family, problem, p, target) for p in points]):
         for seed in seeds:
             wrong = verify(family, loaded, seed=seed)
             if wrong:
-                failures.append(f"{variant.name}, seed {seed}: {wrong}")
+                failures.append(f"{loaded.variant.name}, seed {seed}: {wrong}")
     return failures
 
 

@@ -12,7 +12,7 @@ from autosoft.dtypes import poisoned
 from autosoft.evaluate import Status, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant, space_of
-from helpers import loaded_variant
+from helpers import loaded_variant, loaded_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -50,26 +50,36 @@ PROBLEMS = [("3x33", "bfloat16", {}), ("5x1025", "float32", {"int32_target": Tru
             ("4x256000", "bfloat16", {"int32_target": True}), ("40x50257", "float32", {"loss_only": True})]
 
 
-@pytest.mark.parametrize("example", PROBLEMS, ids=lambda e: f"{e[0]}-{e[1]}-{'-'.join(e[2])}")
-def test_every_strategy_verifies(example):
-    shape, dtype, options = example
-    problem = FAMILY.problem(shape, dtype, options)
+def _wrong(variants, seed: int) -> list[str]:
+    """The variants compiled together, then verified one by one: the failures, described."""
     failures = []
-    for params in _one_per_strategy(problem):
-        loaded = _loaded(problem, params)
-        wrong = verify(FAMILY, loaded, seed=7)
+    for loaded in loaded_variants(variants):
+        wrong = verify(FAMILY, loaded, seed=seed)
         if wrong:
-            failures.append(f"{loaded.variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text} {loaded.variant.problem.dtype}: {wrong}")
+    return failures
+
+
+def test_every_strategy_verifies():
+    """On every problem of PROBLEMS, the default and one point of each strategy; all compiled together."""
+    target = _device().target
+    variants = []
+    for shape, dtype, options in PROBLEMS:
+        problem = FAMILY.problem(shape, dtype, options)
+        variants += [build_variant(FAMILY, problem, params, target) for params in _one_per_strategy(problem)]
+    failures = _wrong(variants, seed=7)
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("example", FAMILY.examples, ids=lambda e: f"{e[0]}-{e[1]}-{'-'.join(e[2])}")
-def test_every_example_default_and_first_seeds_verify(example):
-    shape, dtype, options = example
-    problem = FAMILY.problem(shape, dtype, options)
+def test_every_example_default_and_first_seeds_verify():
+    """On every example problem, the default and the first four seeds; all compiled together."""
     target = _device().target
-    points = [FAMILY.default_params(problem, target), *FAMILY.seed_params(problem, target)[:4]]
-    failures = [f"{p}: {w}" for p in points if (w := verify(FAMILY, _loaded(problem, p), seed=3))]
+    variants = []
+    for shape, dtype, options in FAMILY.examples:
+        problem = FAMILY.problem(shape, dtype, options)
+        points = [FAMILY.default_params(problem, target), *FAMILY.seed_params(problem, target)[:4]]
+        variants += [build_variant(FAMILY, problem, params, target) for params in points]
+    failures = _wrong(variants, seed=3)
     assert not failures, "\n".join(failures)
 
 
@@ -79,8 +89,8 @@ def test_an_inplace_kernel_writes_the_gradient_over_its_logits():
     import cupy as cp
 
     problem = FAMILY.problem("24x50257", "bfloat16", {"inplace": True})
-    for params in _one_per_strategy(problem):
-        loaded = _loaded(problem, params)
+    target = _device().target
+    for loaded in loaded_variants([build_variant(FAMILY, problem, p, target) for p in _one_per_strategy(problem)]):
         inputs = FAMILY.make_inputs(problem, "smoothed", cp, cp.random.default_rng(5))
         original = {**inputs, "logits": inputs["logits"].copy()}
         loss = cp.full(24, cp.nan, dtype=cp.float32)

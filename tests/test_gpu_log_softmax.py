@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from autosoft.compile import compile_source
 from autosoft.evaluate import verify
 from autosoft.families import get_family
 from autosoft.families.base import build_variant
-from helpers import sample_points
+from helpers import loaded_variants, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -23,22 +22,22 @@ def _target():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_sampled_log_variants_are_correct(shape, dtype):
-    from autosoft.runtime import LoadedVariant
-
-    problem = SOFTMAX.problem(shape, dtype, {"log": True})
+def test_sampled_log_variants_are_correct(dtype):
+    """On every shape of SHAPES: the default, its seeds, six random points and four that split
+    rows; all the shapes' variants compile together."""
     target = _target()
-    points = sample_points(SOFTMAX, problem, target, 6, seed=len(shape) * 31 + len(dtype))
-    splits = [p for p in sample_points(SOFTMAX, problem, target, 200, seed=5) if p["split"] > 1]
+    variants = []
+    for shape in SHAPES:
+        problem = SOFTMAX.problem(shape, dtype, {"log": True})
+        points = sample_points(SOFTMAX, problem, target, 6, seed=len(shape) * 31 + len(dtype))
+        splits = [p for p in sample_points(SOFTMAX, problem, target, 200, seed=5) if p["split"] > 1]
+        variants += [build_variant(SOFTMAX, problem, params, target)
+                     for params in [SOFTMAX.default_params(problem, target), *points, *splits[:4]]]
     failures = []
-    for params in [SOFTMAX.default_params(problem, target), *points, *splits[:4]]:
-        variant = build_variant(SOFTMAX, problem, params, target)
-        result = compile_source(variant.source, variant.target.arch)
-        assert result.ok, result.log
-        wrong = verify(SOFTMAX, LoadedVariant(variant, result.cubin), seed=11)
+    for loaded in loaded_variants(variants):
+        wrong = verify(SOFTMAX, loaded, seed=11)
         if wrong:
-            failures.append(f"{variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text}: {wrong}")
     assert not failures, "\n".join(failures)
 
 

@@ -9,7 +9,7 @@ from autosoft.evaluate import Status, evaluate, poisoned, verify
 from autosoft.families import get_family
 from autosoft.families.base import ITEMSIZE, Problem, build_variant
 from autosoft.dtypes import to_storage
-from helpers import loaded_variant, sample_points
+from helpers import compile_ahead, loaded_variants, sample_points
 
 pytestmark = pytest.mark.gpu
 
@@ -28,26 +28,32 @@ def _sample(problem: Problem, k: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_sampled_variants_are_correct(shape, dtype):
-    from autosoft.runtime import LoadedVariant
-
+def test_sampled_variants_are_correct(dtype):
+    """On every shape of SHAPES: the default, its seeds and six random points; all the shapes'
+    variants compile together."""
     family = get_family("softmax")
-    problem = Problem("softmax", dtype, shape)
+    variants = []
+    for shape in SHAPES:
+        problem = Problem("softmax", dtype, shape)
+        variants += [build_variant(family, problem, params, _device().target)
+                     for params in _sample(problem, 6, seed=shape[0] * 7919 + shape[1] + len(dtype))]
     failures = []
-    for params in _sample(problem, 6, seed=shape[0] * 7919 + shape[1] + len(dtype)):
-        variant = build_variant(family, problem, params, _device().target)
-        result = compile_source(variant.source, variant.target.arch)
-        assert result.ok, result.log
-        wrong = verify(family, LoadedVariant(variant, result.cubin), seed=7)
+    for loaded in loaded_variants(variants):
+        wrong = verify(family, loaded, seed=7)
         if wrong:
-            failures.append(f"{variant.name}: {wrong}")
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text}: {wrong}")
     assert not failures, "\n".join(failures)
 
 
 def _loaded(problem: Problem, params: dict):
-    """The variant at params, compiled for this device and loaded."""
-    return loaded_variant(get_family("softmax"), problem, params)
+    """The variant at params, compiled for this device (once a run: see _compile_together) and loaded."""
+    (loaded,) = loaded_variants([build_variant(get_family("softmax"), problem, params, _device().target)])
+    return loaded
+
+
+def _compile_together(problem: Problem, points: list[dict]) -> None:
+    """Start compiling the points' variants together, ahead of the test's _loaded calls."""
+    compile_ahead([build_variant(get_family("softmax"), problem, params, _device().target) for params in points])
 
 
 def _assert_correct(problem: Problem, params: dict, xs, seed: int):
@@ -88,11 +94,11 @@ def test_rows_staged_in_shared_memory_are_correct(dtype):
     xs = to_storage(x, dtype, cp)
     target = _device().target
     checked = []
-    for combo in ROWS_IN_SMEM:
-        params = {**family.default_params(problem, target), "storage": "smem", "unroll": 1, "split": 1,
-                  "combine": "launches", "persistent": False, **combo}
-        if not family.is_valid(problem, target, params):
-            continue
+    points = [{**family.default_params(problem, target), "storage": "smem", "unroll": 1, "split": 1,
+               "combine": "launches", "persistent": False, **combo} for combo in ROWS_IN_SMEM]
+    points = [params for params in points if family.is_valid(problem, target, params)]
+    _compile_together(problem, points)
+    for params in points:
         variant = _assert_correct(problem, params, xs, seed=11)
         if params["prefetch"]:  # every block must have a next row to stage
             assert variant.launches[0].grid[0] * 4 < problem.shape[0], variant.name
@@ -125,11 +131,11 @@ def test_rows_split_in_one_launch_are_correct(shape, dtype):
     xs = to_storage(x, dtype, cp)
     target = _device().target
     checked = []
-    for combo in ROWS_SPLIT_IN_ONE_LAUNCH:
-        params = {**family.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
-                  "unroll": 1, "persistent": False, **combo}
-        if not family.is_valid(problem, target, params):
-            continue
+    points = [{**family.default_params(problem, target), "storage": "registers", "normalise": "three_pass",
+               "unroll": 1, "persistent": False, **combo} for combo in ROWS_SPLIT_IN_ONE_LAUNCH]
+    points = [params for params in points if family.is_valid(problem, target, params)]
+    _compile_together(problem, points)
+    for params in points:
         checked.append(_assert_correct(problem, params, xs, seed=13).name)
     for ending in ("_cluster8_keep", "_cluster16", "_grid8_keep", "_grid16"):  # 12 x 16 blocks: two per SM
         assert any(name.endswith(ending) for name in checked), (ending, checked)
@@ -174,14 +180,14 @@ def test_staggered_first_waves_are_correct(dtype):
     problem = Problem("softmax", dtype, (300, 32768))
     xs = to_storage(cp.random.default_rng(9).standard_normal(problem.shape, dtype=cp.float32), dtype, cp)
     target = _device().target
-    checked = []
-    for layout in ({"storage": "smem", "normalise": "online", "chunks": 4},
-                   {"storage": "registers", "normalise": "three_pass"}):
-        for persistent in (False, True):
-            params = {**family.default_params(problem, target), "threads": 1024, "row_threads": 1024,
-                      "vec": 16 // ITEMSIZE[dtype], "unroll": 1, "split": 1, "combine": "launches",
-                      "persistent": persistent, "stagger": 4000, **layout}
-            checked.append(_assert_correct(problem, params, xs, seed=17).name)
+    points = [{**family.default_params(problem, target), "threads": 1024, "row_threads": 1024,
+               "vec": 16 // ITEMSIZE[dtype], "unroll": 1, "split": 1, "combine": "launches",
+               "persistent": persistent, "stagger": 4000, **layout}
+              for layout in ({"storage": "smem", "normalise": "online", "chunks": 4},
+                             {"storage": "registers", "normalise": "three_pass"})
+              for persistent in (False, True)]
+    _compile_together(problem, points)
+    checked = [_assert_correct(problem, params, xs, seed=17).name for params in points]
     assert len(checked) == 4 and all("_stagger4000" in name for name in checked), checked
 
 

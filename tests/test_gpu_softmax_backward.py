@@ -14,7 +14,7 @@ from autosoft.evaluate import Status, evaluate, verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant
 from autosoft.testing.conformance import sample_points
-from helpers import loaded_variant
+from helpers import loaded_variant, loaded_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -33,10 +33,11 @@ def _loaded(problem: Problem, params: dict):
 
 
 def _verify_all(problem: Problem, points: list[dict], seed: int) -> list[str]:
-    """Names of the variants checked; fails listing every wrong one."""
+    """The points compiled together, then verified one by one: the names of the variants
+    checked; fails listing every wrong one."""
     failures, names = [], []
-    for params in points:
-        loaded = _loaded(problem, params)
+    target = _device().target
+    for loaded in loaded_variants([build_variant(FAMILY, problem, params, target) for params in points]):
         wrong = verify(FAMILY, loaded, seed=seed)
         if wrong:
             failures.append(f"{loaded.variant.name}: {wrong}")
@@ -102,13 +103,12 @@ def test_split_rows_combine_their_sums(dtype, log):
     y[:2] = cp.asarray(_store(special, dtype))
     inputs = {"y": y, "dy": inputs["dy"]}
     checked = []
-    for combo, (storage, chunks) in itertools.product(SPLITS, (("registers", 1), ("smem", 2))):
-        # each segment held in registers, or staged in shared memory
-        params = {**FAMILY.default_params(problem, target), "storage": storage, "chunks": chunks, "unroll": 1,
-                  "persistent": False, **combo}
-        if not FAMILY.is_valid(problem, target, params):
-            continue
-        loaded = _loaded(problem, params)
+    # each segment held in registers, or staged in shared memory
+    points = [{**FAMILY.default_params(problem, target), "storage": storage, "chunks": chunks, "unroll": 1,
+               "persistent": False, **combo}
+              for combo, (storage, chunks) in itertools.product(SPLITS, (("registers", 1), ("smem", 2)))]
+    points = [params for params in points if FAMILY.is_valid(problem, target, params)]
+    for loaded in loaded_variants([build_variant(FAMILY, problem, params, target) for params in points]):
         assert verify(FAMILY, loaded, seed=13) is None, loaded.variant.name
         dx = poisoned(problem.shape, dtype, cp)
         loaded.launch({**inputs, "dx": dx})
@@ -170,8 +170,8 @@ def test_rows_with_minus_inf_and_a_three_row_odd_problem(log):
             cp.exp(shifted) / cp.exp(shifted).sum(axis=1, keepdims=True)
         inputs = {"y": _store(y64, dtype),
                   "dy": to_storage(cp.random.default_rng(10).standard_normal((m, n), dtype=cp.float32), dtype, cp)}
-        for params in sample_points(FAMILY, problem, target, 8, seed=m + n, seeds=4):
-            loaded = _loaded(problem, params)
+        points = sample_points(FAMILY, problem, target, 8, seed=m + n, seeds=4)
+        for loaded in loaded_variants([build_variant(FAMILY, problem, params, target) for params in points]):
             dx = poisoned(problem.shape, dtype, cp)
             loaded.launch({**inputs, "dx": dx})
             assert FAMILY.check(problem, inputs, {"dx": dx}, cp) is None, loaded.variant.name

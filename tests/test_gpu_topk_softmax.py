@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from autosoft.compile import compile_source
 from autosoft.evaluate import verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant, space_of
+from helpers import loaded_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -27,17 +27,15 @@ def _target():
     return device_info().target
 
 
-def _verify(problem: Problem, points: list[dict]) -> None:
-    from autosoft.runtime import LoadedVariant
-
+def _verify_all(cases: list[tuple[Problem, list[dict]]]) -> None:
+    """Every case's points compiled together, then verified one by one; fails listing every wrong one."""
+    variants = [build_variant(FAMILY, problem, params, _target()) for problem, points in cases for params in points]
     failures = []
-    for params in points:
-        variant = build_variant(FAMILY, problem, params, _target())
-        result = compile_source(variant.source, variant.target.arch)
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(FAMILY, LoadedVariant(variant, result.cubin), seed=11)
+    for loaded in loaded_variants(variants):
+        wrong = verify(FAMILY, loaded, seed=11)
         if wrong:
-            failures.append(f"{variant.name} on {problem.shape_text} {problem.dtype}: {wrong}")
+            problem = loaded.variant.problem
+            failures.append(f"{loaded.variant.name} on {problem.shape_text} {problem.dtype}: {wrong}")
     assert not failures, "\n".join(failures)
 
 
@@ -52,52 +50,67 @@ def _points(problem: Problem) -> list[dict]:
     return points
 
 
-@pytest.mark.parametrize("experts", EXPERTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_every_expert_count_with_k_1_16_and_e(experts, dtype):
-    for k in sorted({1, min(16, experts), experts}):
-        for renormalize in (True, False):
-            problem = FAMILY.problem(f"97x{experts}", dtype, {"k": k, "renormalize": renormalize})
-            _verify(problem, _points(problem) if k != experts else [FAMILY.default_params(problem, _target())])
+def test_every_expert_count_with_k_1_16_and_e(dtype):
+    """Every expert count of EXPERTS with k = 1, min(16, E) and E, renormalised or not; all of a
+    dtype's variants compile together."""
+    cases = []
+    for experts in EXPERTS:
+        for k in sorted({1, min(16, experts), experts}):
+            for renormalize in (True, False):
+                problem = FAMILY.problem(f"97x{experts}", dtype, {"k": k, "renormalize": renormalize})
+                cases.append((problem, _points(problem) if k != experts else [FAMILY.default_params(problem, _target())]))
+    _verify_all(cases)
 
 
-@pytest.mark.parametrize("options", [
+GROUPED = [
     DEEPSEEK,
     {**DEEPSEEK, "sigmoid": False},
     {"k": 8, "renormalize": True, "n_group": 8, "topk_group": 4},                  # DeepSeek-V2: group max
     {"k": 6, "renormalize": False, "n_group": 8, "topk_group": 3, "sigmoid": True},
     {"k": 4, "renormalize": True, "sigmoid": True, "bias": True},                   # no groups
     {"k": 32, "renormalize": True, "n_group": 8, "topk_group": 1, "sigmoid": True, "bias": True},  # k = a group
-])
+]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_grouped_form(options, dtype):
-    problem = FAMILY.problem("211x256", dtype, options)
-    _verify(problem, _points(problem))
+def test_the_grouped_form(dtype):
+    """Every routing form of GROUPED on 256 experts; all of a dtype's variants compile together."""
+    problems = [FAMILY.problem("211x256", dtype, options) for options in GROUPED]
+    _verify_all([(problem, _points(problem)) for problem in problems])
 
 
 @pytest.mark.parametrize("shape", ["1x256", "65536x256", "65536x60", "1x8"])
 def test_one_token_and_65536_tokens(shape):
+    cases = []
     for options in ({"k": 8 if shape != "1x8" else 2, "renormalize": True}, DEEPSEEK):
         if options is DEEPSEEK and not shape.endswith("x256"):
             continue
         problem = FAMILY.problem(shape, "bfloat16", options)
-        _verify(problem, _points(problem)[:4])
+        cases.append((problem, _points(problem)[:4]))
+    _verify_all(cases)
 
 
-@pytest.mark.parametrize("shape, dtype, options", [
+SAMPLED = [
     ("65536x128", "bfloat16", {"k": 8, "renormalize": True}),
     ("1000x384", "float16", {"k": 8}),
     ("777x512", "bfloat16", {"k": 16, "renormalize": True}),
     ("333x60", "float32", {"k": 6, "renormalize": True}),
     ("4099x256", "bfloat16", DEEPSEEK),
     ("129x160", "float32", {"k": 6, "n_group": 8, "topk_group": 3}),
-])
-def test_sampled_variants(shape, dtype, options):
-    """Eight valid points drawn from the whole space (a fixed seed): block sizes whose last warp
-    runs past the tokens, every store width, the 32- and 64-bit keys, lists of every length."""
-    problem = FAMILY.problem(shape, dtype, options)
-    points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
-    _verify(problem, random.Random(shape).sample(points, min(8, len(points))))
+]
+
+
+def test_sampled_variants():
+    """On each problem of SAMPLED, eight valid points drawn from the whole space (a fixed seed):
+    block sizes whose last warp runs past the tokens, every store width, the 32- and 64-bit keys,
+    lists of every length; all compiled together."""
+    cases = []
+    for shape, dtype, options in SAMPLED:
+        problem = FAMILY.problem(shape, dtype, options)
+        points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
+        cases.append((problem, random.Random(shape).sample(points, min(8, len(points)))))
+    _verify_all(cases)
 
 
 def test_the_torch_function_matches_torchs_composition_with_ties():
