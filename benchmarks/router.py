@@ -136,18 +136,20 @@ def bench_row(torch, row: tuple, cache: Cache, trials: int, reps: int, rounds: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache", default="router.sqlite", help="tuned-kernel cache (SQLite), reused when present")
-    parser.add_argument("--trials", type=int, default=30, help="tuning trials per row")
+    parser.add_argument("--trials", type=int, default=None, help="tuning trials per row (default 30; --quick: 8)")
     parser.add_argument("--reps", type=int, default=40, help="timed runs per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds in which the contenders take turns")
-    parser.add_argument("--quick", action="store_true", help="7 rows, 8 trials, 3 rounds: about 3 minutes")
+    parser.add_argument("--quick", action="store_true", help="7 rows, 8 trials unless --trials, 3 rounds: about 3 minutes")
     parser.add_argument("--out", default="router.json", help="JSON results")
     args = parser.parse_args()
+    if args.trials is None:
+        args.trials = 8 if args.quick else 30
     if args.trials < 1 or args.reps < 1 or args.rounds < 1:
         print("error: --trials, --reps and --rounds must be at least 1", file=sys.stderr)
         return 2
     import torch
 
-    rows, trials, rounds = (QUICK, min(args.trials, 8), min(args.rounds, 3)) if args.quick else \
+    rows, trials, rounds = (QUICK, args.trials, min(args.rounds, 3)) if args.quick else \
         (ROWS, args.trials, args.rounds)
     device = device_info()
     result = {"gpu": device.name, "cc": device.compute_capability, "torch": torch.__version__, "trials": trials,
