@@ -238,13 +238,17 @@ class TopkSoftmaxFamily(RowsFamily):
             {"row_threads": min(32, pow2_ceil(-(-vectors // 8)))}, {"row_threads": 32}))
 
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
-        """Every token group size with each strategy, narrower loads, and other block sizes."""
+        """Every token group size with each strategy, bitonic sorts first and the sizes nearest
+        the default's first (a short tune then tries both sides of it), each with 128 and 256
+        threads a block; then narrower loads and other block sizes."""
         base = self.default_params(problem, target)
         changes: list[dict[str, ParamValue]] = []
-        for g in (1, 2, 4, 8, 16, 32):
-            for select in ("bitonic", "sorted", "rescan"):
-                changes.append({"row_threads": g, "select": select})
-                changes.append({"row_threads": g, "select": select, "threads": 256})
+        near = int(base["row_threads"]).bit_length()
+        sizes = sorted((1, 2, 4, 8, 16, 32), key=lambda g: (abs(g.bit_length() - near), g))
+        for select in ("bitonic", "sorted", "rescan"):
+            for threads in (128, 256):
+                for g in sizes:
+                    changes.append({"row_threads": g, "select": select, "threads": threads})
         for vec in (1, 2, 4):
             changes.append({"vec": vec})
         for threads in (32, 64, 256, 512):
