@@ -18,6 +18,10 @@ native._ninja_on_path()
 if shutil.which("c++") is None or shutil.which("ninja") is None:
     pytest.skip("needs a C++ compiler and ninja", allow_module_level=True)
 
+# a build takes a C++ compiler the better part of half a minute: one worker runs the module under
+# `pytest -n 2 --dist loadgroup`, so its module fixtures (one build, by the CLI) are made once
+pytestmark = pytest.mark.xdist_group("native")
+
 
 @pytest.fixture(scope="module")
 def cache_folder(tmp_path_factory):
@@ -25,7 +29,14 @@ def cache_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def module(cache_folder):
+def cli_build(cache_folder):
+    """`autosoft native` run in a fresh cache folder: what it printed, and the libraries it left."""
+    first = run_cli(["native"], cache_folder, cwd=cache_folder, timeout=600)
+    return first, sorted((cache_folder / "native").glob("*/*.so"))
+
+
+@pytest.fixture(scope="module")
+def module(cli_build, cache_folder):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AUTOSOFT_CACHE_DIR", str(cache_folder))
         path = native.build()
@@ -75,22 +86,23 @@ def test_records_refuse_what_cannot_be_launched(module):
     assert module.size() == 0
 
 
-def test_the_cli_builds_once_and_says_so(tmp_path):
-    cache_dir = tmp_path / "cache"
-    first = run_cli(["native"], cache_dir, cwd=tmp_path, timeout=600)
+def test_the_cli_builds_once_and_says_so(cli_build, cache_folder):
+    first, built = cli_build
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("built in ")
-    built = list((cache_dir / "native").glob("*/*.so"))
     assert len(built) == 1 and str(built[0]) in first.stdout
-    again = run_cli(["native"], cache_dir, cwd=tmp_path)
+    again = run_cli(["native"], cache_folder, cwd=cache_folder)
     assert again.returncode == 0 and again.stdout.startswith("already built: ")
 
 
 def test_a_second_folder_in_one_process_gets_its_own_build(module, tmp_path, monkeypatch):
     # cpp_extension skips a build it made before in the same process; the build's child process does not
+    from torch.utils import cpp_extension
+
     monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path / "other"))
     path = native.build()
     assert path.is_file() and str(path).startswith(str(tmp_path / "other"))
+    assert path.stem not in cpp_extension.JIT_EXTENSION_VERSIONER.entries, "built in this process, not a child"
 
 
 def test_enable_without_a_build_or_with_a_bad_cache_folder_leaves_the_python_kernels(tmp_path, monkeypatch):
