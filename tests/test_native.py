@@ -18,7 +18,7 @@ native._ninja_on_path()
 if shutil.which("c++") is None or shutil.which("ninja") is None:
     pytest.skip("needs a C++ compiler and ninja", allow_module_level=True)
 
-# a build takes a C++ compiler the better part of half a minute: one worker runs the module under
+# a build keeps a C++ compiler busy for long: one worker runs the module under
 # `pytest -n 2 --dist loadgroup`, so its module fixtures (one build, by the CLI) are made once
 pytestmark = pytest.mark.xdist_group("native")
 

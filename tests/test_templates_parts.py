@@ -173,7 +173,7 @@ def _one_point_per_strategy():
             problem = softmax.problem(shape, dtype)
             target = Target.for_arch("90")
             # of each kind, the first point with the widest row group: the compiler unrolls a few
-            # elements per thread, where a 32-thread group staging a row takes it seconds
+            # elements per thread, where a one-warp group staging a long row takes it seconds
             widest: dict[tuple, dict] = {}
             for params in space_of(softmax).valid_points(softmax.problem_values(problem, target)):
                 kind = (params["storage"], params["combine"] if params["split"] > 1 else None)
