@@ -158,6 +158,7 @@ def _synthetic_best_percentiles(space, valid, runs: int, asks: int, use_search: 
     """time = 1 + L1 distance (in value-index steps) from a hidden optimum; the fraction of valid
     points strictly better than the best point found in `asks` proposals, per run."""
     index = np.array([[space.parameter(n).values.index(v[n]) for n in space.names] for v in valid])
+    row_of = {_key(space, v): i for i, v in enumerate(valid)} if use_search else {}
     out = []
     for run in range(runs):
         rng = random.Random(1000 + run)
@@ -166,7 +167,6 @@ def _synthetic_best_percentiles(space, valid, runs: int, asks: int, use_search: 
         if use_search:
             search = Search(space, valid, seed=run)
             best = np.inf
-            row_of = {_key(space, v): i for i, v in enumerate(valid)}
             for _ in range(asks):
                 p = search.ask()
                 c = float(cost[row_of[_key(space, p.params)]])
