@@ -84,6 +84,7 @@ def test_long_16_bit_log_rows_measure_eight_staged_chunks_within_the_tables_tria
         assert all(SOFTMAX.is_valid(problem, H200, s) for s in seeds)
 
 
+@pytest.mark.long
 def test_log_variants_compile_for_sm90_and_sm80():
     jobs = set()
     for shape, dtype in (("7x1025", "float32"), ("4096x8192", "bfloat16"), ("32x131072", "float16"),

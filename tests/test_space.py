@@ -292,6 +292,7 @@ def test_valid_points_with_an_unsatisfiable_problem_constraint_are_empty():
     assert space.valid_points(_problem_values(64)) == []
 
 
+@pytest.mark.long
 def test_valid_points_equal_brute_force_real_space():
     """The depth-first search with early constraint checks finds exactly the points that satisfy
     every constraint, in the order of the full product. That product (about 15M points) is too
