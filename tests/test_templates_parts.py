@@ -28,6 +28,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# one worker runs the module under `pytest -n 2 --dist loadgroup`: its module fixtures (a point of
+# each strategy, the files their renders read) are built once
+pytestmark = pytest.mark.xdist_group("templates_parts")
+
 # The problems of the byte-identity check: every valid point of each, on sm_90 and sm_80.
 SOFTMAX_SHAPES = ("4096x8192", "7x1025", "32x131072", "1x1048576", "65536x64", "4096x50257",
                   "16384x4000", "1024x32768")
