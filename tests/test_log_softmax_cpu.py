@@ -93,7 +93,8 @@ def test_log_variants_compile_for_sm90_and_sm80():
         drawn = _points(problem, Target.for_arch("90"), 6, shape)  # on sm_80, those valid there
         for arch in ("90", "80"):
             target = Target.for_arch(arch)
-            points = [SOFTMAX.default_params(problem, target), *(p for p in drawn if SOFTMAX.is_valid(problem, target, p))]
+            kept = [p for p in drawn if SOFTMAX.is_valid(problem, target, p)]
+            points = [SOFTMAX.default_params(problem, target), *kept]
             jobs |= {(build_variant(SOFTMAX, problem, p, target).source, arch) for p in points}
     with cf.ProcessPoolExecutor(max_workers=2) as pool:
         failures = [log[:300] for ok, log in pool.map(_compile, sorted(jobs)) if not ok]
