@@ -33,6 +33,9 @@ def in_parallel_worker() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     if in_parallel_worker():
+        # xdist hands out its groups first, then single tests in this order: the long ones go
+        # before the rest, so the run does not end with one worker on a long test and one idle
+        items.sort(key=lambda item: "long" not in item.keywords)
         # a speed compared while other workers load the same GPU says nothing about the kernel
         alone = pytest.mark.skip(reason="a timing test: run it alone, `python -m pytest -m timing`")
         for item in items:

@@ -10,6 +10,7 @@ with logical GPUs where the extra is installed.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -64,10 +65,12 @@ def winners(results) -> dict[tuple[str, str, str], tuple[str, float, float]]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """The batch's problems tuned by one worker in this process on the embedded default storage."""
+    """The batch's problems tuned by one worker in this process, on a journal file: Optuna's
+    SQLite storage takes several times as long per trial, and a one-process batch on it (the
+    default) is tested by the interrupted batch below."""
     folder = tmp_path_factory.mktemp("single")
     spec = BatchSpec(problems=tuple(BATCH), trials=TRIALS, cache=str(folder / "k.sqlite"),
-                     storage=f"sqlite:///{folder / 'k-studies.sqlite'}", fresh=True, replay=str(RECORDING))
+                     storage=f"journal://{folder / 'k-studies.log'}", fresh=True, replay=str(RECORDING))
     result = run_batch(spec)
     assert not result.missing and len(result.results) == len(BATCH)
     return winners(result.results)
@@ -131,12 +134,18 @@ def test_two_workers_claiming_one_generation_at_once_get_it_once(tmp_path):
 
 # --- the shared study -----------------------------------------------------------------------------
 
-def _search(storage, worker, is_live=None):
+@functools.lru_cache(maxsize=1)  # every worker of every test here searches these points
+def _shared_points() -> tuple[dict, ...]:
     from autosoft.families.base import Target, space_of
 
     problem = SOFTMAX.problem("256x1000", "float32")
-    target = Target.for_arch("90")
-    valid = space_of(SOFTMAX).valid_points(SOFTMAX.problem_values(problem, target))[:30]
+    return tuple(space_of(SOFTMAX).valid_points(SOFTMAX.problem_values(problem, Target.for_arch("90")))[:30])
+
+
+def _search(storage, worker, is_live=None):
+    from autosoft.families.base import space_of
+
+    valid = [dict(p) for p in _shared_points()]
     return Search(space_of(SOFTMAX), valid, seed=0, storage=storage, study_name="shared", worker=worker,
                   is_live=is_live)
 

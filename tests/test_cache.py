@@ -403,12 +403,14 @@ def _failed(errors: list[tuple[int, int, str]], fresh: bool) -> list[str]:
     return [f"round {r}, writer {i}: {msg}" for r, i, msg in errors if (r % 2 == 1) == fresh]
 
 
+@pytest.mark.xdist_group("cache_concurrent")  # one race for the three
 def test_concurrent_writers_to_an_existing_file_all_succeed(concurrent_run):
     _, errors = concurrent_run
     failed = _failed(errors, fresh=False)
     assert not failed, "\n".join(failed[:5])
 
 
+@pytest.mark.xdist_group("cache_concurrent")  # one race for the three
 def test_concurrent_first_opens_of_a_new_file_all_succeed(concurrent_run):
     """Several tuning jobs that start together on a fresh cache file must all be able to open it."""
     _, errors = concurrent_run
@@ -416,6 +418,7 @@ def test_concurrent_first_opens_of_a_new_file_all_succeed(concurrent_run):
     assert not failed, f"{len(failed)} of {WRITERS * ROUNDS // 2} opens failed, e.g.:\n" + "\n".join(failed[:5])
 
 
+@pytest.mark.xdist_group("cache_concurrent")  # one race for the three
 def test_concurrent_writers_lose_no_entry(concurrent_run):
     folder, errors = concurrent_run
     failed = {(r, i) for r, i, _ in errors}

@@ -130,6 +130,7 @@ def _one_per_strategy(arch: str) -> list[tuple]:
     return picks
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_every_strategy_renders_and_compiles(arch):
     target = Target.for_arch(arch)
@@ -154,6 +155,7 @@ def test_every_strategy_renders_and_compiles(arch):
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.long
 def test_defaults_of_the_benchmark_vocabularies_do_not_spill():
     target = Target.for_arch("90")
     for vocab in VOCABS:

@@ -5,6 +5,8 @@ compiler or ninja is missing (the CLI's error for those is tested in test_cli.py
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -12,11 +14,20 @@ torch = pytest.importorskip("torch")
 
 import autosoft.torch_ops  # noqa: E402,F401 - defines torch.ops.autosoft
 from autosoft import native  # noqa: E402
-from helpers import run_cli, run_cli_read_only_honoured  # noqa: E402
+from helpers import cli_env, run_cli, run_cli_read_only_honoured  # noqa: E402
 
 native._ninja_on_path()
 if shutil.which("c++") is None or shutil.which("ninja") is None:
     pytest.skip("needs a C++ compiler and ninja", allow_module_level=True)
+
+# a build keeps a C++ compiler busy for long: one worker runs the module under
+# `pytest -n 2 --dist loadgroup`, so its module fixtures (one build, by three processes at once)
+# are made once
+pytestmark = pytest.mark.xdist_group("native")
+
+# what each of two programs that find no library runs: build it, load it, print its path
+_BUILD_AND_LOAD = ("import autosoft.torch_ops\nfrom autosoft import native\n"
+                   "import torch\npath = native.build(); torch.ops.load_library(str(path)); print(path)")
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +36,21 @@ def cache_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def module(cache_folder):
+def built_at_once(cache_folder):
+    """`autosoft native` and two programs that build and load the library, started together on
+    one fresh cache folder: the CLI's result, the programs' (exit status, stdout, stderr), and
+    the libraries left in the folder."""
+    env = cli_env(cache_folder)
+    runs = [subprocess.Popen([sys.executable, *args], env=env, cwd=cache_folder, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for args in (["-m", "autosoft", "native"], ["-c", _BUILD_AND_LOAD], ["-c", _BUILD_AND_LOAD])]
+    outs = [run.communicate(timeout=600) for run in runs]
+    results = [(run.returncode, out, err) for run, (out, err) in zip(runs, outs)]
+    return results[0], results[1:], sorted((cache_folder / "native").glob("*/*.so"))
+
+
+@pytest.fixture(scope="module")
+def module(built_at_once, cache_folder):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("AUTOSOFT_CACHE_DIR", str(cache_folder))
         path = native.build()
@@ -75,22 +100,23 @@ def test_records_refuse_what_cannot_be_launched(module):
     assert module.size() == 0
 
 
-def test_the_cli_builds_once_and_says_so(tmp_path):
-    cache_dir = tmp_path / "cache"
-    first = run_cli(["native"], cache_dir, cwd=tmp_path, timeout=600)
-    assert first.returncode == 0, first.stderr
-    assert first.stdout.startswith("built in ")
-    built = list((cache_dir / "native").glob("*/*.so"))
-    assert len(built) == 1 and str(built[0]) in first.stdout
-    again = run_cli(["native"], cache_dir, cwd=tmp_path)
+def test_the_cli_builds_once_and_says_so(built_at_once, cache_folder):
+    (code, out, err), _, built = built_at_once
+    assert code == 0, err
+    assert out.startswith("built in ")
+    assert len(built) == 1 and str(built[0]) in out
+    again = run_cli(["native"], cache_folder, cwd=cache_folder)
     assert again.returncode == 0 and again.stdout.startswith("already built: ")
 
 
 def test_a_second_folder_in_one_process_gets_its_own_build(module, tmp_path, monkeypatch):
     # cpp_extension skips a build it made before in the same process; the build's child process does not
+    from torch.utils import cpp_extension
+
     monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path / "other"))
     path = native.build()
     assert path.is_file() and str(path).startswith(str(tmp_path / "other"))
+    assert path.stem not in cpp_extension.JIT_EXTENSION_VERSIONER.entries, "built in this process, not a child"
 
 
 def test_enable_without_a_build_or_with_a_bad_cache_folder_leaves_the_python_kernels(tmp_path, monkeypatch):
@@ -121,19 +147,10 @@ def test_native_with_a_read_only_cache_folder_is_one_line_and_builds_nothing(tmp
     assert not list(locked.iterdir())
 
 
-def test_two_processes_building_at_once_both_load_a_whole_library(tmp_path):
+def test_two_processes_building_at_once_both_load_a_whole_library(built_at_once):
     """Two programs (or two xdist workers) that find no library build it at once: cpp_extension's
     lock lets one link; the other must neither load a library still being written nor fail when
-    the first has already moved it into place."""
-    import os
-    import subprocess
-    import sys
-
-    child = ("import autosoft.torch_ops\nfrom autosoft import native\n"
-             "import torch\npath = native.build(); torch.ops.load_library(str(path)); print(path)")
-    env = {**os.environ, "AUTOSOFT_CACHE_DIR": str(tmp_path / "cache")}
-    runs = [subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]
-    outs = [run.communicate(timeout=600) for run in runs]
-    assert [run.returncode for run in runs] == [0, 0], [err[-400:] for _, err in outs]
-    assert outs[0][0] == outs[1][0] and outs[0][0].strip().endswith(".so")
+    the first has already moved it into place. (The CLI builds beside them, a third process.)"""
+    _, programs, built = built_at_once
+    assert [code for code, _, _ in programs] == [0, 0], [err[-400:] for _, _, err in programs]
+    assert programs[0][1] == programs[1][1] and programs[0][1].strip() == str(built[0])

@@ -277,6 +277,7 @@ def test_a_record_file_that_cannot_be_written_warns_once_and_the_call_goes_on(lo
     assert bad.read_text() == "not a problems file\n"
 
 
+@pytest.mark.long
 def test_a_recorded_file_is_what_a_batch_tune_tunes(loading, tmp_path, monkeypatch):
     """A program's calls recorded, then `autosoft tune --problems` on the record (replaying the
     H200 recording): exactly the recorded problems are tuned."""

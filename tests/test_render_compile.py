@@ -27,8 +27,10 @@ SOFTMAX = get_family("softmax")
 ARCHS = ("90", "80")
 SAMPLE_SHAPES = [(1, 1), (1, 3), (5, 3), (1, 1000), (3, 1000), (7, 1025), (33, 50257), (1, 50257),
                  (1, 131072), (4, 131072), (4096, 8192)]
-PER_PROBLEM = 7         # sampled points per (shape, dtype), plus split variants where they exist
-SPLITS_PER_PROBLEM = 2
+# a few random points per (shape, dtype) and one split variant where they exist: every value of
+# every parameter is then compiled (the draw's misses are added), each on some shape and dtype
+PER_PROBLEM = 3
+SPLITS_PER_PROBLEM = 1
 KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__\w+__\s*\([^)]*\)\s+)*(\w+)\s*\(')
 
 # Row lengths around every boundary of the default heuristic, and row counts around the split rule
@@ -75,11 +77,16 @@ def _sample_points() -> list[tuple[Problem, dict]]:
     space = space_of(SOFTMAX)
     picks: list[tuple[Problem, dict]] = []
     pools: list[tuple[Problem, list[dict]]] = []
+    enumerated: dict[tuple, list[dict]] = {}  # float16 and bfloat16 rows give the space the same values
     for shape in SAMPLE_SHAPES:
         for dtype in DTYPES:
             problem = Problem("softmax", dtype, shape)
             rng = random.Random(f"{shape}-{dtype}")
-            valid = space.valid_points(SOFTMAX.problem_values(problem, Target.for_arch("90")))
+            values = SOFTMAX.problem_values(problem, Target.for_arch("90"))
+            key = tuple(sorted(values.items()))
+            if key not in enumerated:
+                enumerated[key] = space.valid_points(values)
+            valid = enumerated[key]
             pools.append((problem, valid))
             splits = [p for p in valid if p["split"] > 1]
             picks += [(problem, p) for p in rng.sample(valid, min(PER_PROBLEM, len(valid)))]
@@ -116,7 +123,7 @@ def sample():
 def test_sample_is_large_and_covers_the_interesting_cases(sample):
     built, _ = sample
     per_arch = {a: [b for b in built if b.arch == a] for a in ARCHS}
-    assert len(per_arch["90"]) >= 200 and len(per_arch["80"]) >= 200
+    assert len(per_arch["90"]) >= 100 and len(per_arch["80"]) >= 100
     assert sum(b.split > 1 for b in per_arch["90"]) >= 20
     assert sum(b.split > 1 for b in per_arch["80"]) >= 20
     for dtype_short in ("_f32_", "_f16_", "_bf16_"):

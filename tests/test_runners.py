@@ -129,6 +129,7 @@ def test_runners_and_the_tuner_import_without_cupy():
 
 # --- (a) the search: the recording's winner, or one within its noise -------------------------------
 
+@pytest.mark.xdist_group("runners_replayed")  # one replayed tune for the three
 def test_replayed_tune_picks_the_recorded_winner_or_one_within_noise(replayed):
     report, runner, cache = replayed
     rows = recorded(SEEDED)
@@ -204,6 +205,7 @@ def test_the_finalists_retimed_side_by_side_decide_the_stored_entry(tmp_path):
 
 # --- (c) resume ----------------------------------------------------------------------------------------
 
+@pytest.mark.xdist_group("runners_replayed")  # one replayed tune for the three
 def test_an_interrupted_replay_resumes_without_rerunning_and_ends_as_an_uninterrupted_one(replayed, tmp_path):
     baseline, _, baseline_cache = replayed
     cache = Cache(tmp_path / "k.sqlite")
@@ -236,6 +238,7 @@ def test_an_interrupted_replay_resumes_without_rerunning_and_ends_as_an_uninterr
 
 # --- (d) the cache write -------------------------------------------------------------------------------
 
+@pytest.mark.xdist_group("runners_replayed")  # one replayed tune for the three
 def test_the_entry_is_stored_under_the_problems_key_on_the_recorded_gpu(replayed):
     report, runner, cache = replayed
     assert report.stored

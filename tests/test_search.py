@@ -158,6 +158,7 @@ def _synthetic_best_percentiles(space, valid, runs: int, asks: int, use_search: 
     """time = 1 + L1 distance (in value-index steps) from a hidden optimum; the fraction of valid
     points strictly better than the best point found in `asks` proposals, per run."""
     index = np.array([[space.parameter(n).values.index(v[n]) for n in space.names] for v in valid])
+    row_of = {_key(space, v): i for i, v in enumerate(valid)} if use_search else {}
     out = []
     for run in range(runs):
         rng = random.Random(1000 + run)
@@ -166,7 +167,6 @@ def _synthetic_best_percentiles(space, valid, runs: int, asks: int, use_search: 
         if use_search:
             search = Search(space, valid, seed=run)
             best = np.inf
-            row_of = {_key(space, v): i for i, v in enumerate(valid)}
             for _ in range(asks):
                 p = search.ask()
                 c = float(cost[row_of[_key(space, p.params)]])
@@ -178,6 +178,7 @@ def _synthetic_best_percentiles(space, valid, runs: int, asks: int, use_search: 
     return out
 
 
+@pytest.mark.long
 def test_search_beats_random_on_a_synthetic_objective():
     space, valid, _ = _softmax_setup((4096, 8192), "float16")
     runs, asks = 8, 60
@@ -203,6 +204,7 @@ def test_seeds_are_returned_as_the_declared_valid_point():
 
 # --- the tuning loop, with a stand-in GPU ----------------------------------------------------------
 
+@pytest.mark.long
 def test_tune_loop_with_a_stand_in_gpu(tmp_path, monkeypatch):
     """tune() runs a GpuRunner that compiles for real (NVRTC, in its own pool) and asks a stand-in
     worker for verification and times: it runs exactly the requested trials, starts with the

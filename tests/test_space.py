@@ -1,6 +1,7 @@
 """space.py: parsing a search space, the expression whitelist, the value gate, valid points."""
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import textwrap
@@ -291,6 +292,7 @@ def test_valid_points_with_an_unsatisfiable_problem_constraint_are_empty():
     assert space.valid_points(_problem_values(64)) == []
 
 
+@pytest.mark.long
 def test_valid_points_equal_brute_force_real_space():
     """The depth-first search with early constraint checks finds exactly the points that satisfy
     every constraint, in the order of the full product. That product (about 15M points) is too
@@ -325,6 +327,25 @@ SHAPES = [(1, 1), (1, 3), (5, 3), (3, 64), (1, 1000), (7, 1025), (33, 50257), (1
           (2, 1048576)]
 
 
+@functools.lru_cache(maxsize=1)  # a problem's points are many: the cases of one shape run one after another
+def _checked_valid_points(values: tuple[tuple[str, object], ...]) -> tuple[list[dict], set[tuple]]:
+    """The valid points of one problem's values, each checked (no violations, values the space's
+    own, no duplicates), and their keys. float16 and bfloat16 rows give the space the same values,
+    so a process checks those points once (their cases share an xdist group)."""
+    space = space_of(SOFTMAX)
+    problem = dict(values)
+    valid = space.valid_points(problem)
+    assert valid
+    keys = set()
+    for params in valid:
+        assert space.violations(params, problem) == []
+        assert space.check_values(params) == params
+        keys.add(tuple(params[n] for n in space.names))
+    assert len(keys) == len(valid), "no duplicates"
+    return valid, keys
+
+
+@pytest.mark.xdist_group("real_space")
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_real_space_valid_points_have_no_violations_and_sampled_invalid_points_do(shape, dtype):
@@ -332,14 +353,7 @@ def test_real_space_valid_points_have_no_violations_and_sampled_invalid_points_d
     problem = Problem("softmax", dtype, shape)
     target = Target.for_arch("90")
     values = SOFTMAX.problem_values(problem, target)
-    valid = space.valid_points(values)
-    assert valid
-    keys = set()
-    for params in valid:
-        assert space.violations(params, values) == []
-        assert space.check_values(params) == params
-        keys.add(tuple(params[n] for n in space.names))
-    assert len(keys) == len(valid), "no duplicates"
+    valid, keys = _checked_valid_points(tuple(sorted(values.items())))
     assert SOFTMAX.default_params(problem, target) in valid
     rng = random.Random(shape[0] * 1_000_003 + shape[1] * 7 + len(dtype))
     invalid_seen = 0

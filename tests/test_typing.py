@@ -93,6 +93,7 @@ def test_the_overloads_give_each_call_its_array_kind(tmp_path, monkeypatch):
     assert errors == expected, out
 
 
+@pytest.mark.long
 def test_with_the_real_packages_torch_calls_are_typed_and_cupy_calls_any(tmp_path, request, monkeypatch):
     """What README promises a user's mypy with torch and CuPy installed: calls on torch tensors
     return torch.Tensor (pairs with return_lse=True); CuPy ships no type hints, so a CuPy array is
