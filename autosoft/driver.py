@@ -2,10 +2,8 @@
 without CuPy and without importing any binding.
 
 A torch process has libcuda loaded already; ctypes opens that same library, so a warm first call
-imports no binding (importing cuda-bindings' driver module, let alone CuPy, was most of it). The
-launch itself, the one call per kernel on the hot path, goes through cupy_backends' compiled
-binding where CuPy is installed (a module that imports no CuPy, and a cheaper call than ctypes'),
-else through ctypes. This module loads a stored cubin into
+imports no binding (importing cuda-bindings' driver module, let alone CuPy, was most of it) and a
+launch is one foreign call with its arguments typed once. This module loads a stored cubin into
 the device's primary context (the one torch and CuPy share), sets each kernel's attributes once,
 reads the device's properties and launches. runtime.LoadedVariant keeps the argument slots and
 calls `Driver.launch_kernel` on torch's current stream (runtime.CupyDriver is its counterpart
@@ -183,28 +181,33 @@ class LibcudaDriver:
     device."""
 
     name = "libcuda"
-    launch_ok = 0  # what launch_kernel returns on success (CUDA_SUCCESS); CuPy's returns None
+    error: type[Exception] = DriverError
+    launch_ok = 0  # what launch_kernel returns on success (CUDA_SUCCESS)
 
     def __init__(self) -> None:
-        cu()
-        fast = _cupy_backends_launch()
-        if fast is not None:
-            # the launch through CuPy's compiled binding (cupy_backends, which imports no CuPy):
-            # a Cython call costs less than a ctypes one; it returns None and raises its own error
-            self.launch_kernel, self.launch_ok = fast
-            from cupy_backends.cuda.api.driver import CUDADriverError
-
-            self.error: Any = (DriverError, CUDADriverError)
-        else:
-            self.launch_kernel = cu().cuLaunchKernel  # typed: takes ints, returns the CUresult
-            self.error = DriverError
+        self.launch_kernel = cu().cuLaunchKernel  # typed: takes ints
+        # The same function without argument types, for bound_launch: it is handed ctypes objects
+        # made once, which ctypes passes as they are (no conversion per argument and call).
+        untyped = ctypes.CDLL(_LIBRARY).cuLaunchKernel
+        untyped.restype = _I
+        self._launch_untyped = untyped
 
     def bound_launch(self, function: int, geometry: tuple[int, ...], params: int) -> Any:
         """start(stream) launches `function` with this geometry and argument array on the stream
-        (an int)."""
-        launch_kernel = self.launch_kernel
-        gx, gy, gz, bx, by, bz, smem = geometry
-        return lambda stream: launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        (an int), returning the CUresult."""
+        launch = self._launch_untyped
+        handle, arguments = _P(function), _P(params)
+        gx, gy, gz, bx, by, bz, smem = (_U(v) for v in geometry)
+        streams: dict[int, Any] = {}  # the handles a plan meets are few: each wrapped once
+
+        def start(stream: int) -> int:
+            wrapped = streams.get(stream)
+            if wrapped is None:
+                if len(streams) >= 64:
+                    streams.clear()
+                wrapped = streams[stream] = _P(stream)
+            return launch(handle, gx, gy, gz, bx, by, bz, smem, wrapped, arguments, None)
+        return start
 
     def load(self, cubin: bytes, device: int) -> int:
         with on_device(device):
@@ -244,15 +247,6 @@ class LibcudaDriver:
 
         held = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
         return held, held.data_ptr()
-
-
-def _cupy_backends_launch() -> tuple[Any, Any] | None:
-    """(cuLaunchKernel through cupy_backends, its success value), None where CuPy is not installed."""
-    try:
-        from cupy_backends.cuda.api.driver import launchKernel
-    except ImportError:
-        return None
-    return launchKernel, None
 
 
 @lru_cache(maxsize=1)

@@ -104,7 +104,7 @@ class DriverBackend(Protocol):
     driver.LibcudaDriver (libcuda through ctypes). Functions are the handles launch_kernel takes."""
 
     name: str
-    error: Any  # the exception class (or a tuple of them) its calls raise
+    error: type[Exception]  # what its calls raise
     # launch_kernel(function, gx, gy, gz, bx, by, bz, shared bytes, stream, params address, 0):
     # cuLaunchKernel's binding itself, called on the hot path; it returns launch_ok on success,
     # anything else is passed to failed() (or it raises `error` itself)
