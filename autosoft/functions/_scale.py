@@ -69,9 +69,9 @@ def _function(device: int, dtype: str) -> tuple[Any, int]:
         return found
     with _LOCK:
         properties = driver.device_properties(device)
-        module = driver.bindings().load(cubin_for(f"{properties['major']}{properties['minor']}"), device)
+        module = driver.libcuda().load(cubin_for(f"{properties['major']}{properties['minor']}"), device)
         for name in ("float32", "float16", "bfloat16"):
-            function, _ = driver.bindings().function(module, f"scale_unless_one_{name}")
+            function, _ = driver.libcuda().function(module, f"scale_unless_one_{name}")
             _FUNCTIONS[device, name] = (function, properties["sm_count"] * BLOCKS_PER_SM)
     return _FUNCTIONS[device, dtype]
 
@@ -90,7 +90,8 @@ def scale_unless_one(x: Any, factor: Any) -> Any:
     function, blocks = _function(device, dtype)
     blocks = min(blocks, -(-x.numel() // THREADS))
     stream = torch.cuda.current_stream(device).cuda_stream
-    params = ((x.data_ptr(), factor.data_ptr(), x.numel()), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong))
+    arguments = (ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(factor.data_ptr()), ctypes.c_longlong(x.numel()))
+    params = (ctypes.c_void_p * 3)(*[ctypes.addressof(a) for a in arguments])
     if driver.is_current(device):
         _launch(function, blocks, stream, params)
     else:
@@ -99,5 +100,7 @@ def scale_unless_one(x: Any, factor: Any) -> Any:
     return x
 
 
-def _launch(function: Any, blocks: int, stream: int, params: tuple) -> None:
-    driver.check("cuLaunchKernel", driver.cu().cuLaunchKernel(function, blocks, 1, 1, THREADS, 1, 1, 0, stream, params, 0))
+def _launch(function: Any, blocks: int, stream: int, params: Any) -> None:
+    """cuLaunchKernel with `params`, the array of the arguments' addresses (kept alive by the caller)."""
+    driver.check("cuLaunchKernel", driver.cu().cuLaunchKernel(function, blocks, 1, 1, THREADS, 1, 1, 0, stream,
+                                                              ctypes.addressof(params), None))
