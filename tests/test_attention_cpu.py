@@ -609,7 +609,7 @@ def test_tensor_maps_are_encoded_innermost_first_with_byte_strides(monkeypatch):
     from autosoft import runtime
 
     fake = _FakeEncoder()
-    monkeypatch.setattr(runtime, "_libcuda", lambda: fake)
+    monkeypatch.setattr(runtime._libcuda_driver, "cu", lambda: fake)
     q = TensorMap("q", (2, 16, 1000, 128), (1, 1, 128, 64), "bfloat16")
     # a (B, N, H, D) view transposed to (B, H, N, D): strides (N*H*D, D, H*D) elements
     encoded = runtime.encode_tensor_map(q, 0x7F0000001000, (1000 * 16 * 128, 128, 16 * 128))
@@ -625,7 +625,7 @@ def test_a_dimension_of_one_takes_a_contiguous_stride_and_none_means_contiguous(
     from autosoft import runtime
 
     fake = _FakeEncoder()
-    monkeypatch.setattr(runtime, "_libcuda", lambda: fake)
+    monkeypatch.setattr(runtime._libcuda_driver, "cu", lambda: fake)
     k = TensorMap("k", (1, 1, 300, 64), (1, 1, 64, 64), "float16")
     runtime.encode_tensor_map(k, 4096, (3, 5, 64))  # torch may give any stride to a dimension of one
     runtime.encode_tensor_map(k, 4096, None)
@@ -637,7 +637,7 @@ def test_a_dimension_of_one_takes_a_contiguous_stride_and_none_means_contiguous(
 def test_a_refused_tensor_map_is_an_error_naming_the_array(monkeypatch):
     from autosoft import runtime
 
-    monkeypatch.setattr(runtime, "_libcuda", lambda: _FakeEncoder(result=1))
+    monkeypatch.setattr(runtime._libcuda_driver, "cu", lambda: _FakeEncoder(result=1))
     v = TensorMap("v", (1, 2, 300, 64), (1, 1, 64, 64), "bfloat16")
     with pytest.raises(RuntimeError, match=r"cuTensorMapEncodeTiled refused the map of v .*CUresult 1"):
         runtime.encode_tensor_map(v, 4104, None)
