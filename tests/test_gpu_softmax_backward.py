@@ -219,7 +219,7 @@ def test_short_tune_is_correct_and_not_slower_than_default(cache_dir):
     assert report.best.outcome.time_us <= report.default.outcome.time_us
     assert len(report.trials) == 30
     (entry,) = cache.entries()
-    assert entry.variant_name == report.best.variant.name and entry.variant_name.endswith("_log")
+    assert entry.variant_name == report.best.variant.name and "log" in entry.variant_name.split("_")
     variant = build_variant(FAMILY, problem, entry.params, _device().target)
     outcome = evaluate(FAMILY, variant, compile_source(variant.source, variant.target.arch).cubin, seed=99)
     assert outcome.ok, outcome.message
