@@ -244,7 +244,9 @@ def test_journal_workers_of_one_host_equal_one_process_and_resume_does_nothing(s
         # saw one point left take one between them); a live worker taken for dead on a loaded
         # machine leaves its trial reaped (marked `reaped_by`), which the re-run replaces
         measured = [t for t in trials if "status" in t.user_attrs and "reaped_by" not in t.user_attrs]
-        assert len(measured) == 40, "resume evaluated nothing again"
+        assert len(measured) == 40, "resume evaluated nothing again, or a point was measured twice: " + "; ".join(
+            f"#{t.number} {t.state.name} {t.user_attrs.get('worker')} {t.user_attrs.get('status')} "
+            f"retry_of={t.user_attrs.get('retry_of')} {sorted(t.params.items())}" for t in measured)
 
     report = run_cli(["report", "--storage", f"journal://{tmp_path / 'k-studies.log'}", "--cache", cache,
                       "-o", tmp_path / "report"])
