@@ -6,8 +6,8 @@ imports no binding (importing cuda-bindings' driver module, let alone CuPy, was 
 launch is one foreign call with its arguments typed once. This module loads a stored cubin into
 the device's primary context (the one torch and CuPy share), sets each kernel's attributes once,
 reads the device's properties and launches. runtime.LoadedVariant keeps the argument slots and
-calls `Driver.launch_kernel` on torch's current stream (runtime.CupyDriver is its counterpart
-through CuPy, which CuPy arrays, the tuner and the verification use).
+launches through `LibcudaDriver.bound_launch` on torch's current stream (runtime.CupyDriver is its
+counterpart through CuPy, which CuPy arrays, the tuner and the verification use).
 
 Nothing here is loaded by `import autosoft`; every function raises NoDeviceError where no driver
 library or no device is found, DriverError where the driver refuses a call.
