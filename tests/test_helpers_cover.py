@@ -1,16 +1,9 @@
-"""The GPU tier's helpers, on the CPU: pairwise_cover, which picks the variants the "covering"
-tests verify (every pair of parameter values held by some point is held by a chosen one, with far
-fewer points), and compiled / loaded_variants, which compile a test's variants together once a run."""
+"""The GPU tier's helper pairwise_cover, on the CPU: it picks the variants the "covering" tests
+verify (every pair of parameter values held by some point is held by a chosen one, with far fewer
+points)."""
 from __future__ import annotations
 
 import itertools
-import threading
-from types import SimpleNamespace
-
-import pytest
-
-import autosoft.compile
-import helpers
 
 from autosoft.families import get_family
 from autosoft.families.base import Target, space_of
@@ -51,37 +44,3 @@ def test_pairs_held_by_the_first_points_are_not_sought_again():
     assert pairwise_cover(points, first=points[::-1]) == points[::-1]
     assert pairwise_cover(points, first=[dict(a=1, b=1)]) == [dict(a=1, b=1), *points[:3]]
     assert len(pairwise_cover([dict(a=True, b=0), dict(a=1, b=0)])) == 2, "True and 1 are two values"
-
-
-def _variant(source: str) -> SimpleNamespace:
-    return SimpleNamespace(name=f"v_{source}", source=source, digest=f"digest of {source}",
-                           target=SimpleNamespace(arch="90"))
-
-
-@pytest.fixture
-def fake_nvrtc(monkeypatch):
-    """compile_source replaced by a recorder (what it compiled, on which threads); an empty memo."""
-    calls: list[tuple[str, str]] = []
-    threads: set[str] = set()
-
-    def compile_source(source, arch):
-        calls.append((source, arch))
-        threads.add(threading.current_thread().name)
-        return autosoft.compile.CompileResult(source != "broken", source.encode(), f"log of {source}")
-    monkeypatch.setattr(autosoft.compile, "compile_source", compile_source)
-    monkeypatch.setattr(helpers, "_COMPILED", {})
-    return SimpleNamespace(calls=calls, threads=threads)
-
-
-def test_compiled_keeps_the_order_and_compiles_each_source_once_a_run(fake_nvrtc):
-    variants = [_variant(s) for s in ("a", "b", "a", "c")]
-    assert [r.cubin for r in helpers.compiled(variants)] == [b"a", b"b", b"a", b"c"]
-    assert sorted(fake_nvrtc.calls) == [("a", "90"), ("b", "90"), ("c", "90")]
-    assert [r.cubin for r in helpers.compiled([_variant("c"), _variant("d")])] == [b"c", b"d"]
-    assert len(fake_nvrtc.calls) == 4, "c was compiled before"
-    assert all(name.startswith("nvrtc") for name in fake_nvrtc.threads), "in the pool, not the test's thread"
-
-
-def test_a_variant_that_does_not_compile_fails_the_test_with_its_log(fake_nvrtc):
-    with pytest.raises(AssertionError, match="v_broken: log of broken"):
-        next(helpers.loaded_variants([_variant("broken"), _variant("fine")]))

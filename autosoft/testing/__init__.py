@@ -1,1 +1,2 @@
-"""Test helpers that ship with autosoft: the family conformance suite (`conformance`)."""
+"""Test helpers that ship with autosoft: the family conformance suite (`conformance`) and the GPU
+tests' shared compile pool (`compiling`)."""

@@ -19,10 +19,8 @@ with every output element poisoned first, so an element a kernel never writes fa
 """
 from __future__ import annotations
 
-import os
 import random
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,18 +275,15 @@ def test_sampled_variants_compile_with_nvrtc(conformance_case: Case, arch: str) 
 @pytest.mark.gpu
 def test_sampled_variants_verify_on_the_gpu(conformance_case: Case) -> None:
     from ..evaluate import verify
-    from ..runtime import LoadedVariant, device_info
+    from ..runtime import device_info
+    from .compiling import loaded_variants
 
     family = conformance_case.family
     target = device_info().target
     variants = [build_variant(family, problem, params, target)
                 for problem in conformance_case.problems()[:GPU_EXAMPLES]
                 for params in _sample(conformance_case, problem, target, 1, seed=2)]
-    # compiled together, then verified one by one: NVRTC releases the GIL while it compiles
-    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        results = list(pool.map(lambda v: compile_source(v.source, target.arch), variants))
-    for variant, result in zip(variants, results):
-        problem = variant.problem
-        assert result.ok, f"{variant.name}: {result.log[:2000]}"
-        wrong = verify(family, LoadedVariant(variant, result.cubin), seed=3)
-        assert wrong is None, f"{variant.name} on {problem.shape_text} {problem.dtype}: {wrong}"
+    for loaded in loaded_variants(variants):  # compiled together, verified one by one
+        problem = loaded.variant.problem
+        wrong = verify(family, loaded, seed=3)
+        assert wrong is None, f"{loaded.variant.name} on {problem.shape_text} {problem.dtype}: {wrong}"
