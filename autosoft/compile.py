@@ -8,12 +8,17 @@ pathfinder report, which becomes one UserError saying which extra brings NVRTC.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .files import replace_text
 
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "--use_fast_math")
 
@@ -66,9 +71,6 @@ def _environment_key() -> str:
     """What decides which libnvrtc this process would load: the interpreter's prefix, its
     package folders and whether an `nvidia` package folder in them changed (a wheel installed or
     removed), and the variables cuda-pathfinder and the dynamic linker read."""
-    import os
-    import sys
-
     folders = []
     for entry in sys.path[1:]:
         if entry.endswith(("site-packages", "dist-packages")):
@@ -82,17 +84,14 @@ def _environment_key() -> str:
     return hashlib.sha256("\0".join([sys.prefix, *folders, *variables]).encode()).hexdigest()[:24]
 
 
-def _record_path() -> Any:
-    from .cache import default_store_folder
+def _record_path() -> Path:
+    from .cache import default_store_folder  # the cache module (sqlite3, the selector) only when asked
 
     return default_store_folder() / NVRTC_RECORD
 
 
 def _recorded_nvrtc_version() -> str | None:
     """The version recorded for this environment, if the library it names is unchanged."""
-    import json
-    import os
-
     try:
         entry = json.loads(_record_path().read_text())[_environment_key()]
         now = os.stat(entry["library"])
@@ -108,9 +107,6 @@ def _record_nvrtc_version(version: str) -> None:
     """Record the version beside the kernel store, with the libnvrtc this process loaded (read
     from the process's memory map, so Linux only). A folder that cannot be written is no error:
     the next process asks NVRTC again."""
-    import json
-    import os
-
     library = _loaded_nvrtc_library()
     if library is None:
         return
@@ -125,9 +121,7 @@ def _record_nvrtc_version(version: str) -> None:
         records[_environment_key()] = {"library": library, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                                        "version": version}
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(records, indent=1, sort_keys=True))
-        os.replace(temporary, path)
+        replace_text(path, json.dumps(records, indent=1, sort_keys=True))
     except OSError:
         return
 
