@@ -1,0 +1,106 @@
+"""CPU tier for the attention backward: its float64 reference against torch's autograd, its
+problems, search space and kernels (rendered and compiled), the Python function's errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import autosoft
+from autosoft.compile import compile_source
+from autosoft.dtypes import to_float64
+from autosoft.families import get_family
+from autosoft.families.attention_backward import reference_gradients
+from autosoft.families.base import Target, build_variant
+
+FAMILY = get_family("attention_backward")
+
+
+def _torch_gradients(problem, inputs):
+    """dq, dk, dv by torch's autograd of an explicit float64 attention (masks, cap, groups, lse)."""
+    torch = pytest.importorskip("torch")
+    b, h, n, d = problem.shape
+    kv_heads, kv_len = FAMILY.kv(problem)
+    q, k, v, do = (torch.tensor(to_float64(inputs[x], problem.dtype, np), requires_grad=x != "do")
+                   for x in ("q", "k", "v", "do"))
+    kk, vv = (x.repeat_interleave(h // kv_heads, dim=1) for x in (k, v))
+    s = q @ kk.transpose(-1, -2) * float(inputs["scale"])
+    cap = problem.option("softcap")
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    at = torch.arange(n)[:, None] + kv_len - n
+    keys = torch.arange(kv_len)[None, :]
+    hidden = torch.zeros(n, kv_len, dtype=torch.bool)
+    if problem.option("causal"):
+        hidden |= keys > at
+    if problem.option("window_left") is not None:
+        hidden |= keys < at - problem.option("window_left")
+    if problem.option("window_right") is not None:
+        hidden |= keys > at + problem.option("window_right")
+    s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]).nan_to_num(0.0)
+    o = p @ vv
+    loss = (o * do).sum()
+    if problem.option("lse_grad"):
+        dlse = torch.tensor(inputs["dlse"].astype(np.float64))
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
+    loss.backward()
+    return {"dq": q.grad.numpy(), "dk": k.grad.numpy(), "dv": v.grad.numpy()}
+
+
+@pytest.mark.parametrize("shape, options", [
+    ("1,4,9,32", {"causal": True, "kv_heads": 2}),
+    ("2,2,7,32", {"kv_len": 12, "window_left": 3, "window_right": 1, "softcap": 2.0}),
+    ("1,2,10,32", {"kv_len": 6, "causal": True, "lse_grad": True}),  # the first queries see no key
+])
+def test_reference_is_torch_autograd(shape, options):
+    """The family's float64 reference gradients are torch's autograd of the forward, masks, softcap,
+    grouped heads and an lse gradient included (the check that the GPU tier trusts)."""
+    problem = FAMILY.problem(shape, "float16", options)
+    inputs = FAMILY.make_inputs(problem, "normal", np, np.random.default_rng(0))
+    ref = reference_gradients(problem, inputs, np)
+    want = _torch_gradients(problem, inputs)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(ref[name], want[name], rtol=1e-9, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_default_kernels_compile_without_spilling_much(arch):
+    """Each example's default compiles with NVRTC; D = 128's default keeps dK and dV in registers."""
+    target = Target.for_arch(arch)
+    for shape, dtype, options in FAMILY.examples:
+        problem = FAMILY.problem(shape, dtype, options)
+        variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target)
+        result = compile_source(variant.source, arch)
+        assert result.ok, f"{variant.name}: {result.log[:2000]}"
+
+
+def test_deterministic_problems_take_ordered_adds_only():
+    target = Target.for_arch("90")
+    problem = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "deterministic": True})
+    default = FAMILY.default_params(problem, target)
+    assert default["dq_add"] == "ordered"
+    assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "atomic"})
+    assert all(p["dq_add"] == "ordered" for p in FAMILY.seed_params(problem, target))
+
+
+def test_launches_name_dlse_only_with_an_lse_gradient():
+    target = Target.for_arch("90")
+    plain = FAMILY.problem("1,2,100,64", "float16", {})
+    with_grad = FAMILY.problem("1,2,100,64", "float16", {"lse_grad": True})
+    for problem, named in ((plain, False), (with_grad, True)):
+        variant = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target)
+        assert ("dlse" in variant.launches[0].args) is named
+        assert ("dlse[row]" in variant.source) is named
+        assert [launch.kernel for launch in variant.launches] == ["attention_bwd_prep", "attention_bwd",
+                                                                  "attention_bwd_dq"]
+
+
+def test_function_refuses_mismatched_arrays_before_any_gpu_work():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(TypeError, match="autosoft.attention_backward"):
+        autosoft.attention_backward(q, q, q, q, q, lse, window=5)
+    with pytest.raises(ValueError, match="scale"):
+        autosoft.attention_backward(q, q, q, q, q, lse, scale=-1.0)

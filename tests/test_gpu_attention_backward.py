@@ -1,0 +1,117 @@
+"""GPU tier for the attention backward: sampled variants against float64 gradients (every input
+kind, outputs poisoned), dQ bit for bit over runs in the ordered variants, the Python function on
+torch tensors against torch's autograd."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from autosoft.evaluate import allocate_outputs, verify
+from autosoft.families import get_family
+from autosoft.families.base import build_variant
+from helpers import loaded_variants, sample_points
+
+pytestmark = pytest.mark.gpu
+
+FAMILY = get_family("attention_backward")
+
+# (shape, options) beyond the family's examples: MQA, Nq > Nkv under causal (queries that see no
+# key), windows cutting the first and last tiles, softcap with causal, N off every tile size
+PROBLEMS = [
+    ("1,8,200,64", {"kv_heads": 1, "causal": True}),
+    ("2,8,130,128", {"kv_heads": 2, "kv_len": 77, "causal": True}),
+    ("1,2,300,64", {"window_left": 10, "window_right": 5}),
+    ("1,4,333,128", {"causal": True, "softcap": 15.0}),
+    ("1,2,1000,64", {"kv_len": 3001, "causal": True, "lse_grad": True}),
+    ("2,2,129,32", {}),
+]
+
+
+def _target():
+    from autosoft.runtime import device_info
+
+    return device_info().target
+
+
+def _problems(dtype: str):
+    out = [FAMILY.problem(shape, dt, opts) for shape, dt, opts in FAMILY.examples]
+    return out + [FAMILY.problem(shape, dtype, opts) for shape, opts in PROBLEMS]
+
+
+def _wrong(variants, seed: int) -> list[str]:
+    failures = []
+    for loaded in loaded_variants(variants):
+        wrong = verify(FAMILY, loaded, seed=seed)
+        if wrong:
+            failures.append(f"{loaded.variant.name} on {loaded.variant.problem.shape_text} "
+                            f"{dict(loaded.variant.problem.options)}: {wrong}")
+    return failures
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sampled_variants_are_correct(dtype):
+    """Every problem: the default, its first four seeds, two random points, and an ordered one."""
+    target = _target()
+    variants = []
+    for i, problem in enumerate(_problems(dtype)):
+        points = sample_points(FAMILY, problem, target, 2, seed=31 * i + len(dtype), seeds=4)
+        ordered = {**FAMILY.default_params(problem, target), "dq_add": "ordered"}
+        if FAMILY.is_valid(problem, target, ordered) and ordered not in points:
+            points.append(ordered)
+        variants += [build_variant(FAMILY, problem, p, target) for p in points]
+    failures = _wrong(variants, seed=5)
+    assert not failures, "\n".join(failures)
+
+
+def test_ordered_dq_is_the_same_bits_on_every_run():
+    """Causal, grouped heads, many key tiles per query tile: three runs of an ordered variant give
+    one dq bit for bit (and the atomic variant agrees with it to rounding)."""
+    import cupy as cp
+
+    target = _target()
+    problem = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "kv_heads": 2, "deterministic": True})
+    params = FAMILY.default_params(problem, target)
+    assert params["dq_add"] == "ordered"
+    atomic = {**params, "dq_add": "atomic"}
+    free = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "kv_heads": 2})
+    ordered_v, atomic_v = loaded_variants([build_variant(FAMILY, problem, params, target),
+                                           build_variant(FAMILY, free, atomic, target)])
+    inputs = FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(3))
+    runs = []
+    for _ in range(3):
+        outputs = allocate_outputs(FAMILY, ordered_v.variant, cp)
+        ordered_v.launch({**inputs, **outputs})
+        runs.append({n: cp.asnumpy(a) for n, a in outputs.items()})
+    for run in runs[1:]:
+        for name in ("dq", "dk", "dv"):
+            assert np.array_equal(run[name], runs[0][name]), f"{name} differs between runs"
+    outputs = allocate_outputs(FAMILY, atomic_v.variant, cp)
+    atomic_v.launch({**inputs, **outputs})
+    assert FAMILY.check(problem, inputs, outputs, cp) is None
+    assert FAMILY.check(problem, inputs, {n: cp.asarray(a) for n, a in runs[0].items()}, cp) is None
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_function_on_torch_tensors_matches_torch_autograd(causal):
+    """autosoft.attention_backward from autosoft.attention's o and lse, against torch's autograd of
+    SDPA in float32 on the same bf16 inputs (grouped heads, N off the tiles, q a strided view)."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    b, hq, hkv, n, d = 2, 8, 2, 777, 128
+    qkv = torch.randn(b, n, hq + 2 * hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    q = qkv[:, :, :hq].transpose(1, 2)                       # a (B, N, H, D) projection seen as (B, H, N, D)
+    k = qkv[:, :, hq:hq + hkv].transpose(1, 2)
+    v = qkv[:, :, hq + hkv:].transpose(1, 2)
+    do = torch.randn(b, hq, n, d, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        o, lse = autosoft.attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = autosoft.attention_backward(q, k, v, o, do, lse, causal=causal)
+    q32, k32, v32 = (x.float().detach().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=causal, enable_gqa=True)
+    ref.backward(do.float())
+    for name, got, want in (("dq", dq, q32.grad), ("dk", dk, k32.grad), ("dv", dv, v32.grad)):
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err < 3e-2, f"{name}: relative error {err:.3g}"
