@@ -9,6 +9,7 @@ import autosoft
 from autosoft.compile import compile_source
 from autosoft.dtypes import to_float64
 from autosoft.families import get_family
+from autosoft.families.attention import reference
 from autosoft.families.attention_backward import reference_gradients
 from autosoft.families.base import Target, build_variant
 
@@ -58,6 +59,7 @@ def test_reference_is_torch_autograd(shape, options):
     grouped heads and an lse gradient included (the check that the GPU tier trusts)."""
     problem = FAMILY.problem(shape, "float16", options)
     inputs = FAMILY.make_inputs(problem, "normal", np, np.random.default_rng(0))
+    inputs["o"], inputs["lse"] = reference(problem, inputs, np)  # the exact forward: float64, unrounded
     ref = reference_gradients(problem, inputs, np)
     want = _torch_gradients(problem, inputs)
     for name in ("dq", "dk", "dv"):
