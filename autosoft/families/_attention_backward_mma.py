@@ -29,8 +29,8 @@ class MmaBackwardEngine(Engine):
 
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
-        return (self.family.name_prefix(problem) + f"_n{p['block_n']}_m{p['block_m']}_w{p['warps']}_s{p['stages']}"
-                + ("_ordered" if p["dq_add"] == "ordered" else ""))
+        return (self.family.name_prefix(problem) + f"_n{p['block_n']}_m{p['block_m']}_w{p['warps']}"
+                f"_k{p['key_warps']}_q{p['dq_warps']}_s{p['stages']}" + ("_ordered" if p["dq_add"] == "ordered" else ""))
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, **self.family.kernel_args(problem), "engine": self.name}  # type: ignore[attr-defined]
@@ -61,27 +61,43 @@ class MmaBackwardEngine(Engine):
         """64 queries per step, eight warps, two Q/dO stages, and as many keys per block (128 for
         D <= 64, else 64) as keep dK and dV in 64 registers per thread beside the scores, with
         room for the fragments' addresses (FlashAttention-2's 128 keys at D = 128 need every register
-        ptxas has). Smaller tiles where those do not fit the problem or the shared memory."""
+        ptxas has). The warps in the squarest tiles the sizes allow (the fewest shared-memory reads
+        per product). Smaller tiles where those do not fit the problem or the shared memory."""
         d = problem.shape[3]
         ordered = "ordered" if "deterministic" in problem.flags else "atomic"
         p: dict[str, ParamValue] = {"block_n": 128 if d <= 64 else 64, "block_m": 64, "warps": 8, "stages": 2,
                                     "dq_add": ordered}
-        fallbacks = ({"stages": 1}, {"block_n": 64}, {"block_m": 32}, {"block_n": 32}, {"block_m": 16},
+        fallbacks = ({}, {"stages": 1}, {"block_n": 64}, {"block_m": 32}, {"block_n": 32}, {"block_m": 16},
                      {"warps": 4}, {"warps": 2})
-        for change in ({}, *fallbacks):
+        for change in fallbacks:
             p = {**p, **change}
-            if self.is_valid(problem, target, p):
-                return p
+            for point in self._layouts(p):
+                if self.is_valid(problem, target, point):
+                    return point
         raise AssertionError(f"no valid default attention_backward variant for {problem}")
+
+    @staticmethod
+    def _layouts(p: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
+        """p with its warps laid out, squarest first: key_warps nearest warps * block_n / (block_n
+        + block_m) and dq_warps nearest warps * block_m / (block_m + D share), in powers of two."""
+        warps, block_n, block_m = int(p["warps"]), int(p["block_n"]), int(p["block_m"])
+        shares = [w for w in (1, 2, 4, 8) if w <= warps]
+        by_keys = sorted(shares, key=lambda w: abs(block_n / w - block_m / (warps // w)))
+        by_rows = sorted(shares, key=lambda w: abs(w - warps // w))
+        return [{**p, "key_warps": kw, "dq_warps": qw} for kw in by_keys for qw in by_rows]
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
         """Neighbours of the default, likeliest first: other key and query tiles, one stage, four warps."""
         base = {n: v for n, v in default.items() if n != "engine"} if default.get("engine") == self.name \
             else self.default_params(problem, target)
         changes = (
-            {"block_m": 32}, {"block_n": 64}, {"block_n": 64, "block_m": 128}, {"stages": 1},
+            {"block_m": 32}, {"block_n": 64}, {"block_n": 64, "block_m": 128}, {"stages": 1}, {"block_n": 128},
             {"block_n": 64, "warps": 4}, {"block_m": 128, "warps": 8}, {"block_n": 128, "block_m": 32},
             {"block_n": 32, "block_m": 64, "warps": 4}, {"block_n": 64, "block_m": 64, "warps": 4, "stages": 1},
         )
-        neighbours = self.valid_neighbours(problem, target, base, changes)
+        candidates = [{**base, "key_warps": w} for w in (1, 2, 4, 8)] + [{**base, "dq_warps": w} for w in (1, 2, 4, 8)]
+        for change in changes:  # each tile change in its squarest valid layout
+            moved = {**base, **change}
+            candidates += [next((c for c in self._layouts(moved) if self.is_valid(problem, target, c)), moved)]
+        neighbours = self.valid_neighbours(problem, target, base, [dict(c) for c in candidates])
         return neighbours if default.get("engine") == self.name else [base, *neighbours]
