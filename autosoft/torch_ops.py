@@ -288,7 +288,7 @@ def _autograd_function(torch: Any, op: TorchOperator, overload: Any, real: Calla
         ctx.save_for_backward(*tensors)
         ctx.kept = kept
         # an output the loss did not read gets None, as Backward promises, not zeros: a formula
-        # can then skip its term (attention's lse) instead of computing with zeros
+        # can then skip that term instead of computing with zeros
         ctx.set_materialize_grads(False)
         return results
 
