@@ -589,7 +589,8 @@ def test_fake_attention_backward_gives_dq_like_q_and_dk_dv_like_grouped_k(with_d
                                             16, None, 30.0, True)
     assert (dq.shape, dq.dtype, dq.device.type) == ((2, 8, 77, 64), BF16, "cuda")
     assert (dk.shape, dv.shape, dk.dtype, dv.dtype) == ((2, 2, 130, 64), (2, 2, 130, 64), BF16, BF16)
-    meta, meta_kv = torch.empty(1, 4, 9, 128, device="meta", dtype=F16), torch.empty(1, 1, 9, 128, device="meta", dtype=F16)
+    meta = torch.empty(1, 4, 9, 128, device="meta", dtype=F16)  # MQA on meta tensors
+    meta_kv = torch.empty(1, 1, 9, 128, device="meta", dtype=F16)
     dq, dk, dv = ops.attention_backward(meta, meta_kv, meta_kv, meta, meta, meta[..., 0].float(), None, False, 0.1)
     assert (dq.shape, dk.shape, dv.shape) == ((1, 4, 9, 128), (1, 1, 9, 128), (1, 1, 9, 128))
 
@@ -678,8 +679,8 @@ def test_the_public_attention_takes_the_operator_when_autograd_records_and_the_p
 
 def test_aot_autograd_traces_attentions_backward_through_attention_backward():
     """Training under torch.compile: the forward graph holds the attention operator and the backward
-    graph one attention_backward with the call's options; a loss reading only o traces the same
-    (AOTAutograd gives every output a tangent, so dlse is a zero tangent there, not None)."""
+    graph one attention_backward with the call's options; lse is an output of the compiled function,
+    so AOTAutograd gives it a tangent, which the graph passes as dlse."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
