@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, ove
 import numpy as np
 
 from .arrays import call_along, call_family
-from .autograd import refuse_gradients
 from .dispatch import DISPATCHER
 from .errors import UserError
 from .families import get_family
@@ -110,11 +109,6 @@ def _through_operator(*arrays: Any) -> bool:
     return False
 
 
-def _compiling(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
-
-
 def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:
     from . import torch_ops  # registers the operators (torch is loaded: x is a tensor)
 
@@ -186,15 +180,19 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     scale defaults to 1/sqrt(D) and must be positive. Arrays whose last dimension is contiguous
     are taken as they are, whatever their other strides (e.g. q, k, v of a fused QKV projection
     seen as (B, N, H, D) and transposed to (B, H, N, D)): their strides go to the kernel, no copy.
-    Others, and addresses or strides that are not multiples of 16 bytes, are copied first. It
-    has no backward: torch tensors that require gradients while autograd records raise
-    RuntimeError (call it under torch.no_grad()). While torch.compile traces, it is the operator
-    torch.ops.autosoft.attention."""
-    refuse_gradients("attention", q, k, v)
+    Others, and addresses or strides that are not multiples of 16 bytes, are copied first.
+
+    Autograd: torch tensors that require gradients (while autograd records) go through the
+    operator torch.ops.autosoft.attention, whose backward is the tuned attention_backward family
+    (dq, and dk, dv summed over each KV head's query heads); so does any call while torch.compile
+    traces, which then sees one operator (autosoft.torch_ops), forward and backward, and both can
+    be captured in a CUDA graph. o and lse both carry gradients: a loss may read lse too
+    (return_lse=True). With torch.use_deterministic_algorithms(True) the backward takes the
+    variants whose dq is the same bits on every run (dk and dv always are)."""
     head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
     scale = check_scale(scale, head_dim, "autosoft.attention")
     options = call_options(causal, window, softcap)
-    if _compiling(q):  # torch.compile sees one operator (autosoft.torch_ops), not the plan's Python
+    if _through_operator(q, k, v):  # autograd records it, or torch.compile sees one operator
         from . import torch_ops
 
         o, lse = torch_ops.attention(q, k, v, bool(causal), scale, options.get("window_left"),

@@ -1,9 +1,10 @@
 """What autosoft does when torch's autograd is watching: functions without a backward refuse
 inputs that require gradients, so that a training step cannot silently stop learning.
 
-A function whose kernels have no backward yet (attention, attention_colsum) returns outputs that
-carry no gradient; handed q, k or v that require gradients while autograd records, it raises
-instead of returning a tensor that looks right and cannot learn.
+A function whose kernels have no backward (attention_colsum) returns outputs that carry no
+gradient; handed q, k or v that require gradients while autograd records, it raises instead of
+returning a tensor that looks right and cannot learn. (autosoft.attention has a backward: its
+torch operator's, the attention_backward family.)
 """
 from __future__ import annotations
 

@@ -258,16 +258,16 @@ def _autograd_function(torch: Any, op: TorchOperator, overload: Any, real: Calla
     below autograd and saves what the formula reads (op.backward.saves: schema arguments and the
     family's outputs by name); backward calls the formula with torch.ops.autosoft."""
     assert op.backward is not None
-    arguments = [(a.name, _is_tensor(torch, a.type)) for a in overload._schema.arguments]
+    arguments = [(a.name, _is_tensor(torch, a.type), a.default_value) for a in overload._schema.arguments]
     outputs = get_family(op.family).outputs
-    sources: list[tuple[str, bool, int, bool]] = []  # (name, from the outputs, index, a tensor)
+    sources: list[tuple[str, bool, int, bool, Any]] = []  # (name, from the outputs, index, a tensor, default)
     for name in op.backward.saves:
         if name in outputs:
-            sources.append((name, True, outputs.index(name), True))
+            sources.append((name, True, outputs.index(name), True, None))
         else:
-            index = [n for n, _ in arguments].index(name)  # ValueError: a name the schema lacks
-            sources.append((name, False, index, arguments[index][1]))
-    tensor_names = [name for name, _, _, tensor in sources if tensor]
+            index = [n for n, _, _ in arguments].index(name)  # ValueError: a name the schema lacks
+            sources.append((name, False, index, arguments[index][1], arguments[index][2]))
+    tensor_names = [name for name, _, _, tensor, _ in sources if tensor]
     single = len(outputs) == 1
     formula, ops, known = op.backward.formula, torch.ops.autosoft, _DIRECT.get
 
@@ -278,14 +278,18 @@ def _autograd_function(torch: Any, op: TorchOperator, overload: Any, real: Calla
         results = real(*args) if to_real else redispatch(keyset, *args)
         produced = (results,) if single else results
         tensors, kept = [], {}
-        for name, from_outputs, index, tensor in sources:
-            value = (produced if from_outputs else args)[index]
+        for name, from_outputs, index, tensor, default in sources:
+            # the dispatcher leaves out trailing arguments that have their schema default
+            value = produced[index] if from_outputs else args[index] if index < len(args) else default
             if tensor:
                 tensors.append(value)
             else:
                 kept[name] = value
         ctx.save_for_backward(*tensors)
         ctx.kept = kept
+        # an output the loss did not read gets None, as Backward promises, not zeros: a formula
+        # can then skip that term instead of computing with zeros
+        ctx.set_materialize_grads(False)
         return results
 
     def backward(ctx: Any, *grads: Any) -> Any:

@@ -86,9 +86,8 @@ def test_compiled_family_function_is_its_operator_with_no_graph_break():
 def test_operators_refuse_inputs_that_require_gradients():
     q, k, v = qkv((1, 2, 64, 64), F16)
     k.requires_grad_()
-    for call in (lambda: ops.attention(q, k, v, True, 0.125), lambda: ops.attention_colsum(q, k, v, 32, False, 0.125, True)):
-        with pytest.raises(RuntimeError, match="has no backward yet"):
-            call()
+    with pytest.raises(RuntimeError, match="has no backward yet"):  # attention has one (test_gpu_autograd.py)
+        ops.attention_colsum(q, k, v, 32, False, 0.125, True)
     with torch.no_grad():
         o, _ = ops.attention(q, k, v, True, 0.125)
     assert o.grad_fn is None and torch.equal(o, autosoft.attention(q, k.detach(), v, causal=True))

@@ -494,6 +494,7 @@ def test_opcheck_on_meta_tensors(name):
     rows = torch.empty(7, 33, device="meta")
     args = {"softmax": (rows, -1), "log_softmax": (meta, 0), "softmax_backward": (rows, rows, -1, True),
             "attention": (meta, meta, meta, True, 0.125), "attention_colsum": (meta, meta, meta, 5, True, 0.125, False),
+            "attention_backward": (meta, meta, meta, meta, meta, meta[..., 0].float(), None, True, 0.125),
             "topk_softmax": (rows, torch.empty(33, device="meta"), 1.0, 3, True, 3, 2, True),
             "cross_entropy": (rows, torch.empty(7, device="meta", dtype=torch.int64), torch.empty(1, device="meta"),
                               -100, 0.1, 0.0)}[name]
@@ -503,12 +504,11 @@ def test_opcheck_on_meta_tensors(name):
 
 # --- gradients: the softmax's through softmax_backward; refused where there is no backward -------
 
-@pytest.mark.parametrize("name", ["attention", "attention_colsum", "softmax_backward"])
+@pytest.mark.parametrize("name", ["attention_colsum", "softmax_backward"])
 def test_inputs_that_require_gradients_are_refused_while_autograd_records(name):
     meta = torch.empty(1, 2, 16, 64, device="meta", dtype=F16)
     needy = meta.clone().requires_grad_()
     call = {"softmax_backward": lambda a: ops.softmax_backward(meta, a, -1, False),
-            "attention": lambda a: ops.attention(meta, a, meta, True, 0.125),
             "attention_colsum": lambda a: ops.attention_colsum(a, meta, meta, 4, True, 0.125, False)}[name]
     with pytest.raises(RuntimeError) as refused:
         call(needy)
@@ -561,27 +561,180 @@ def test_the_public_softmax_takes_the_operator_when_autograd_records_and_the_pla
     assert taken == [("softmax", -1), ("log_softmax", 0), "plan", "plan"]
 
 
+# --- attention's gradients: its declared formula calls attention_backward ------------------------
+
+def test_the_attention_operator_declares_a_backward_that_saves_what_exists():
+    """The formula reads schema arguments and the family's outputs by name: each name must be one
+    of them (torch_ops would only find a wrong name when the first gradient is recorded)."""
+    from autosoft.families import get_family
+
+    declared = torch_ops.declared("attention")
+    assert declared.backward is not None
+    schema = ops.attention.default._schema
+    arguments = [a.name for a in schema.arguments]
+    outputs = get_family("attention").outputs
+    saves = declared.backward.saves
+    assert set(saves) <= set(arguments) | set(outputs), set(saves) - set(arguments) - set(outputs)
+    # what attention_backward needs besides the incoming gradients: every input, both outputs, every option
+    assert set(saves) == set(arguments) | {"o", "lse"}
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_fake_attention_backward_gives_dq_like_q_and_dk_dv_like_grouped_k(with_dlse):
+    """GQA 8/2 with more keys than queries: dq follows q, dk and dv follow k (summed over the group)."""
+    with FakeTensorMode():
+        q, kv = fake_cuda(2, 8, 77, 64, dtype=BF16), fake_cuda(2, 2, 130, 64, dtype=BF16)
+        lse = fake_cuda(2, 8, 77)
+        dq, dk, dv = ops.attention_backward(q, kv, kv, q, q, lse, lse if with_dlse else None, True, 0.125,
+                                            16, None, 30.0, True)
+    assert (dq.shape, dq.dtype, dq.device.type) == ((2, 8, 77, 64), BF16, "cuda")
+    assert (dk.shape, dv.shape, dk.dtype, dv.dtype) == ((2, 2, 130, 64), (2, 2, 130, 64), BF16, BF16)
+    meta = torch.empty(1, 4, 9, 128, device="meta", dtype=F16)  # MQA on meta tensors
+    meta_kv = torch.empty(1, 1, 9, 128, device="meta", dtype=F16)
+    dq, dk, dv = ops.attention_backward(meta, meta_kv, meta_kv, meta, meta, meta[..., 0].float(), None, False, 0.1)
+    assert (dq.shape, dk.shape, dv.shape) == ((1, 4, 9, 128), (1, 1, 9, 128), (1, 1, 9, 128))
+
+
+def test_fake_attention_backward_refuses_an_lse_of_the_wrong_shape():
+    with FakeTensorMode():
+        q = fake_cuda(1, 2, 16, 64, dtype=F16)
+        with pytest.raises(ValueError, match=r"autosoft\.attention_backward: lse must be \(B, H, N\)"):
+            ops.attention_backward(q, q, q, q, q, fake_cuda(1, 2, 15), None, True, 0.125)
+
+
+def _spy_attention_backward(monkeypatch):
+    seen = []
+    real = ops.attention_backward
+
+    def spy(q, k, v, o, do, lse, dlse, *options):
+        seen.append({"shapes": [tuple(t.shape) for t in (q, k, v, o, do, lse)], "do": do, "dlse": dlse,
+                     "options": options})
+        return real(q, k, v, o, do, lse, dlse, *options)
+
+    monkeypatch.setattr(ops, "attention_backward", spy)  # the formula calls torch.ops.autosoft.attention_backward
+    return seen
+
+
+def _needy(*shape):
+    return torch.empty(shape, device="meta", dtype=BF16).requires_grad_()
+
+
+@pytest.mark.parametrize("reads", ["o", "lse", "both"])
+def test_attention_gradients_flow_through_attention_backward(monkeypatch, reads):
+    """autosoft.attention on tensors that require gradients records the operator; backward calls
+    attention_backward with the saved inputs and outputs and the call's options. The gradient of an
+    output the loss did not read is None: no dlse (the family's cheaper problem), or zeros for do."""
+    q, k, v = _needy(2, 8, 33, 64), _needy(2, 2, 50, 64), _needy(2, 2, 50, 64)
+    o, lse = autosoft.attention(q, k, v, causal=True, scale=0.3, return_lse=True, window=(16, None), softcap=20.0)
+    assert type(o.grad_fn).__name__ == "attention_autogradBackward" and lse.requires_grad
+    seen = _spy_attention_backward(monkeypatch)
+    loss = {"o": [o], "lse": [lse], "both": [o, lse]}[reads]
+    grads = torch.autograd.grad(loss, (q, k, v), [torch.empty_like(t) for t in loss])
+    monkeypatch.undo()
+    assert [tuple(g.shape) for g in grads] == [(2, 8, 33, 64), (2, 2, 50, 64), (2, 2, 50, 64)]
+    (call,) = seen
+    assert call["shapes"] == [(2, 8, 33, 64), (2, 2, 50, 64), (2, 2, 50, 64), (2, 8, 33, 64), (2, 8, 33, 64),
+                              (2, 8, 33)]
+    assert (call["dlse"] is None) == (reads == "o")
+    assert call["do"] is not None and call["do"].shape == o.shape
+    causal, scale, left, right, cap, deterministic = call["options"]
+    assert (causal, left, right, cap, deterministic) == (True, 16, None, 20.0, False)
+    assert scale == pytest.approx(0.3)
+
+
+def test_the_deterministic_flag_of_torch_picks_the_deterministic_backward(monkeypatch):
+    q = _needy(1, 2, 16, 64)
+    before = torch.are_deterministic_algorithms_enabled()
+    seen = _spy_attention_backward(monkeypatch)
+    try:
+        for flag in (True, False):
+            torch.use_deterministic_algorithms(flag)
+            o = autosoft.attention(q, q, q)
+            torch.autograd.grad(o, q, torch.empty_like(o))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert [call["options"][-1] for call in seen] == [True, False]
+
+
+def test_attention_on_cpu_tensors_that_require_gradients_fails_with_the_public_error():
+    """Autograd records the operator, whose real implementation refuses a CPU tensor before any
+    kernel: the public function's TypeError, not a result that looks right."""
+    q = torch.randn(1, 2, 8, 64, dtype=F16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"^autosoft\.attention: q is a CPU tensor; move it to the GPU first"):
+        autosoft.attention(q, q.detach(), q.detach(), causal=True)
+
+
+def test_the_public_attention_takes_the_operator_when_autograd_records_and_the_plan_otherwise(monkeypatch):
+    import autosoft.api
+
+    taken = []
+    monkeypatch.setattr(autosoft.api, "call_family", lambda *a, **k: taken.append("plan") or (None, None))
+    q = _needy(1, 2, 16, 64)
+    o = autosoft.attention(q, q, q, causal=True)
+    with torch.no_grad():
+        autosoft.attention(q, q, q)
+    autosoft.attention(q.detach(), q.detach(), q.detach())
+    assert o.requires_grad and taken == ["plan", "plan"]
+
+
+def test_aot_autograd_traces_attentions_backward_through_attention_backward():
+    """Training under torch.compile: the forward graph holds the attention operator and the backward
+    graph one attention_backward with the call's options; lse is an output of the compiled function,
+    so AOTAutograd gives it a tangent, which the graph passes as dlse."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    graphs = {"forward": [], "backward": []}
+
+    def compiler(kind):
+        def compile_graph(graph, inputs):
+            graphs[kind].append(graph)
+            return make_boxed_func(graph.forward)
+        return compile_graph
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
+                                     bw_compiler=compiler("backward"))
+
+    def f(q, k, v):
+        o, lse = autosoft.attention(q, k, v, causal=True, return_lse=True, window=(8, 4))
+        return o * 2, lse
+
+    q, k, v = _needy(1, 4, 16, 64), _needy(1, 2, 16, 64), _needy(1, 2, 16, 64)
+    o, lse = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad((o, lse), (q, k, v), (torch.empty_like(o), torch.empty_like(lse)))
+    assert [tuple(g.shape) for g in grads] == [(1, 4, 16, 64), (1, 2, 16, 64), (1, 2, 16, 64)]
+    assert op_targets(graphs["forward"][0]) == ["autosoft.attention.default"]
+    (node,) = [n for n in graphs["backward"][0].graph.nodes if "autosoft" in str(n.target)]
+    assert str(node.target) == "autosoft.attention_backward.default"
+    # dlse a tangent; causal, scale, the window; softcap None and deterministic False (the graph leaves defaults out)
+    assert node.args[6] is not None and node.args[7:11] == (True, 0.125, 8, 4)
+    assert tuple(node.args[11:]) == (None, False)[:len(node.args) - 11]
+    torch._dynamo.reset()
+
+
 def test_out_with_gradients_is_refused_as_torch_refuses_it():
     needy = torch.empty(4, 8, device="meta").requires_grad_()
     with pytest.raises(RuntimeError, match="out= does not support automatic differentiation"):
         autosoft.softmax(needy, out=torch.empty(4, 8, device="meta"))
 
 
-def test_the_refusal_is_the_public_functions_error_for_attention():
+def test_the_refusal_is_the_public_functions_error_for_attention_colsum():
     from autosoft.autograd import refuse_gradients
 
     needy = torch.empty(1, device="meta", requires_grad=True)
     with pytest.raises(RuntimeError) as public:
-        refuse_gradients("attention", needy)
-    assert str(public.value) == str(no_backward_error("attention"))
+        refuse_gradients("attention_colsum", needy)
+    assert str(public.value) == str(no_backward_error("attention_colsum"))
 
 
 def test_compiling_a_call_on_inputs_that_require_gradients_fails_at_compile_time():
     meta = torch.empty(1, 2, 16, 64, device="meta", dtype=F16)
-    compiled = torch.compile(lambda q, k, v: ops.attention(q, k, v, True, 0.125)[0] * 2, backend="eager",
-                             fullgraph=True)
+    compiled = torch.compile(lambda q, k, v: ops.attention_colsum(q, k, v, 4, True, 0.125, False)[0] * 2,
+                             backend="eager", fullgraph=True)
     # Dynamo wraps an error of the fake run in its TorchRuntimeError (a RuntimeError) with ours in the message
-    with pytest.raises(RuntimeError, match=r"autosoft\.attention has no backward yet"):
+    with pytest.raises(RuntimeError, match=r"autosoft\.attention_colsum has no backward yet"):
         compiled(meta, meta.clone().requires_grad_(), meta)
     with torch.no_grad():
         assert compiled(meta, meta.clone().requires_grad_(), meta).shape == (1, 2, 16, 64)

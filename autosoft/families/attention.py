@@ -35,7 +35,7 @@ import numpy as np
 
 from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
-from ..operators import OperatorCall, TorchOperator
+from ..operators import Backward, OperatorCall, TorchOperator
 from ..space import ParamValue
 from . import register
 from ._attention_mma import MmaEngine
@@ -490,8 +490,27 @@ def _operator_call(q: Any, k: Any, v: Any, causal: bool, scale: float, window_le
     return OperatorCall((q, k, v), call_options(causal, window, softcap), {"scale": np.float32(scale)})
 
 
+def _gradient(ops: Any, saved: Mapping[str, Any], grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """dq, dk, dv from the attention_backward family, for the gradients of o and lse (either may
+    be None: an output the loss did not read). Without one for o, do is zeros; without one for lse,
+    no dlse goes to the family (its problem then has no lse_grad). dq is the deterministic variant's
+    where torch.use_deterministic_algorithms(True) is set, the switch torch users already flip for
+    reproducible training. The options have no gradient."""
+    import torch  # loaded: autograd is calling this
+
+    grad_o, grad_lse = grads
+    o = saved["o"]
+    dq, dk, dv = ops.attention_backward(
+        saved["q"], saved["k"], saved["v"], o, o.new_zeros(o.shape) if grad_o is None else grad_o, saved["lse"],
+        grad_lse, saved["causal"], saved["scale"], saved["window_left"], saved["window_right"], saved["softcap"],
+        torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dv, None, None, None, None, None
+
+
 AttentionFamily.torch_operators = (
     TorchOperator("attention", "attention", "(Tensor q, Tensor k, Tensor v, bool causal, float scale, "
                   "int? window_left=None, int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)",
-                  _operator_call, instead="scaled_dot_product_attention"),
+                  _operator_call,
+                  backward=Backward(("q", "k", "v", "o", "lse", "causal", "scale", "window_left", "window_right",
+                                     "softcap"), _gradient)),
 )
