@@ -437,11 +437,12 @@ def visible_pairs(problem: Problem) -> float:
     return float(seen.sum()) - edge
 
 
-def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any, Any]:
+def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any, precision: Any = np.float64) -> tuple[Any, Any]:
     """float64 attention on the GPU with explicit masks, in chunks of KV heads and query rows so
     that no (query, key) block of all heads is ever held at once, and k and v are never copied
     per query head. Returns (o, lse) shaped like the kernel's outputs; a query that sees no key
-    gets o = 0 and lse = -inf."""
+    gets o = 0 and lse = -inf. precision: the float type it computes in (np.float32 where float64's
+    speed matters more than its last digits: the backward's inputs)."""
     b, h, n, d = problem.shape
     kv_heads, kv_len = _kv(problem)
     group = h // kv_heads
@@ -449,18 +450,19 @@ def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[Any
     cap = problem.option("softcap")
     # query head hkv * group + g reads KV head hkv: q as (B * kv_heads, group, N, D)
     q, k, v = (inputs[name].reshape(b * kv_heads, -1, inputs[name].shape[-2], d) for name in ("q", "k", "v"))
-    o = xp.empty((b * kv_heads, group, n, d), dtype=np.float64)
-    lse = xp.empty((b * kv_heads, group, n), dtype=np.float64)
+    o = xp.empty((b * kv_heads, group, n, d), dtype=precision)
+    lse = xp.empty((b * kv_heads, group, n), dtype=precision)
     rows = max(1, min(n, _REF_BYTES // (8 * kv_len * group)))
     heads = max(1, min(b * kv_heads, _REF_BYTES // (8 * kv_len * group * rows)))
     keys = xp.arange(kv_len)[None, :]
     for h0 in range(0, b * kv_heads, heads):
         hs = slice(h0, min(b * kv_heads, h0 + heads))
-        kh = to_float64(k[hs, 0], problem.dtype, xp)[:, None]  # (heads, 1, kv_len, D)
-        vh = to_float64(v[hs, 0], problem.dtype, xp)[:, None]
+        kh = to_float64(k[hs, 0], problem.dtype, xp).astype(precision)[:, None]  # (heads, 1, kv_len, D)
+        vh = to_float64(v[hs, 0], problem.dtype, xp).astype(precision)[:, None]
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            s = xp.matmul(to_float64(q[hs, :, r0:r1], problem.dtype, xp), kh.transpose(0, 1, 3, 2)) * scale
+            qh = to_float64(q[hs, :, r0:r1], problem.dtype, xp).astype(precision)
+            s = xp.matmul(qh, kh.transpose(0, 1, 3, 2)) * precision(scale)
             if cap is not None:
                 s = float(cap) * xp.tanh(s / float(cap))
             lo, hi = key_bounds(problem, xp.arange(r0, r1), xp)
