@@ -184,19 +184,22 @@ def test_constraints_keep_rows_on_vector_boundaries_and_experts_in_registers():
     valid = space.valid_points(FAMILY.problem_values(sixty, target))
     assert valid and {p["vec"] for p in valid} == {1, 2, 4}, "60 experts: no vector of 8 fits a row"
     wide = FAMILY.problem("128x512", "float32", {"k": 8})
-    assert not FAMILY.is_valid(wide, target, {"threads": 128, "row_threads": 1, "vec": 4, "select": "rescan"}), \
+    point = {"threads": 128, "row_threads": 1, "vec": 4, "select": "rescan", "short_keys": False}
+    assert not FAMILY.is_valid(wide, target, point), \
         "512 experts on one thread would spill"
-    assert not FAMILY.is_valid(wide, target, {"threads": 64, "row_threads": 32, "vec": 8, "select": "rescan"}), \
+    assert not FAMILY.is_valid(wide, target, {**point, "threads": 64, "row_threads": 32, "vec": 8}), \
         "32 bytes is no load"
     tiny = FAMILY.problem("128x8", "float32", {"k": 1})
-    assert not FAMILY.is_valid(tiny, target, {"threads": 128, "row_threads": 4, "vec": 4, "select": "rescan"}), \
+    assert not FAMILY.is_valid(tiny, target, {**point, "row_threads": 4}), \
         "two vectors cannot feed four threads"
 
 
-def test_large_token_counts_get_the_bitonic_default_with_16_bit_keys_where_exact():
-    """Plain bf16/fp16: a key is the 16-bit logit and its index in 32 bits; fp32 logits or
-    fp32 scores (grouped) need 64. The default sorts each thread's keys with bitonic networks and
-    keeps a thread to at most 64 experts with 32-bit keys, 32 with 64-bit ones."""
+def test_large_token_counts_get_the_bitonic_default_with_32_bit_keys():
+    """Plain bf16/fp16: a key is the 16-bit logit and its index in 32 bits, exactly; fp32 logits
+    or fp32 scores (grouped) need 64 (key_bits), and the default takes short keys there: the
+    ordered fp32 value with its low bits holding the index, checked after the rounds. The
+    default sorts each thread's keys with bitonic networks and keeps a thread to at most 64
+    experts."""
     target = Target.for_arch("90")
     for shape, dtype, options, bits in (("65536x128", "bfloat16", {"k": 8, "renormalize": True}, 32),
                                         ("65536x384", "float16", {"k": 8}, 32),
@@ -205,13 +208,36 @@ def test_large_token_counts_get_the_bitonic_default_with_16_bit_keys_where_exact
         problem = FAMILY.problem(shape, dtype, options)
         assert FAMILY.problem_values(problem, target)["key_bits"] == bits, shape
         default = FAMILY.default_params(problem, target)
-        assert default["select"] == "bitonic", shape
+        assert default["select"] == "bitonic" and default["short_keys"] == (bits == 64), shape
         values = space_of(FAMILY).evaluate(default, FAMILY.problem_values(problem, target))
-        assert values["experts_per_thread"] <= (64 if bits == 32 else 32), (shape, default)
-        assert values["experts_per_thread"] * 2 > (64 if bits == 32 else 32) or default["row_threads"] == 1, \
+        assert values["experts_per_thread"] <= 64, (shape, default)
+        assert values["experts_per_thread"] * 2 > 64 or default["row_threads"] == 1, \
             "no more threads a token than that bound needs"
         source = build_variant(FAMILY, problem, default, target).source
-        assert ("typedef unsigned int rkey_t;" in source) == (bits == 32), shape
+        assert "typedef unsigned int rkey_t;" in source, shape
+        assert ("IDX_MASK" in source) == (bits == 64), shape
+
+
+def test_short_keys_hold_the_index_in_the_fewest_low_bits_and_only_for_fp32_values():
+    """The index takes the bits of E - 1 (the rest keep the value, so fewer near-ties fall back);
+    16-bit logits already make exact 32-bit keys, so short keys are no choice there; with fp32
+    values the seeds measure 64-bit keys too."""
+    target = Target.for_arch("90")
+    for experts, mask in ((8, 0x7), (60, 0x3F), (256, 0xFF), (384, 0x1FF), (2048, 0x7FF)):
+        problem = FAMILY.problem(f"4x{experts}", "float32", {"k": 2})
+        source = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target).source
+        assert f"constexpr unsigned int IDX_MASK = {mask}u;" in source, experts
+    plain = FAMILY.problem("64x256", "bfloat16", {"k": 8})
+    point = {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic"}
+    assert FAMILY.is_valid(plain, target, {**point, "short_keys": False})
+    assert not FAMILY.is_valid(plain, target, {**point, "short_keys": True})
+    grouped = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
+    assert FAMILY.is_valid(grouped, target, {**point, "short_keys": True})
+    values = space_of(FAMILY).evaluate({**point, "short_keys": True}, FAMILY.problem_values(grouped, target))
+    assert values["key_words"] == 1 and values["list_len"] == 8
+    seeds = FAMILY.seed_params(grouped, target)
+    assert any(not s["short_keys"] for s in seeds[:24]), "a short tune measures the 64-bit keys too"
+    assert all(s["short_keys"] for s in seeds[:12]), "short keys first"
 
 
 def test_stores_and_lists_take_the_widths_that_fit():
@@ -221,14 +247,15 @@ def test_stores_and_lists_take_the_widths_that_fit():
     space = space_of(FAMILY)
     for k, row_threads, out_vec in ((8, 2, 4), (8, 4, 2), (6, 4, 2), (6, 2, 1), (8, 16, 1), (16, 4, 4)):
         problem = FAMILY.problem("64x128", "bfloat16", {"k": k})
-        params = {"threads": 128, "row_threads": row_threads, "vec": 8, "select": "bitonic"}
+        params = {"threads": 128, "row_threads": row_threads, "vec": 8, "select": "bitonic", "short_keys": False}
         values = space.evaluate(params, FAMILY.problem_values(problem, target))
         assert values["out_vec"] == out_vec, (k, row_threads)
         assert values["list_len"] == {6: 8, 8: 8, 16: 16}[k]
     grouped = FAMILY.problem("64x160", "bfloat16", {"k": 6, "n_group": 8, "topk_group": 3})
-    assert not FAMILY.is_valid(grouped, target, {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic"}), \
+    point = {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False}
+    assert not FAMILY.is_valid(grouped, target, point), \
         "groups of 20 experts: a vector of 8 would straddle two"
-    assert FAMILY.is_valid(grouped, target, {"threads": 128, "row_threads": 4, "vec": 4, "select": "bitonic"})
+    assert FAMILY.is_valid(grouped, target, {**point, "vec": 4})
 
 
 # --- rendering and compiling -------------------------------------------------------------------------
@@ -237,13 +264,29 @@ def test_stores_and_lists_take_the_widths_that_fit():
 @pytest.mark.parametrize("select", ["rescan", "sorted", "bitonic"])
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_each_strategy_and_form_compiles(form, select, arch):
+    """The grouped forms (fp32 scores) with short keys on sm_90 and 64-bit keys on sm_80: both
+    selections of every strategy, no compile more."""
     target = Target.for_arch(arch)
     problem = FAMILY.problem("1000x160", "bfloat16", FORMS[form])
-    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select}
+    short_keys = form.startswith("grouped") and arch == "90"
+    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select, "short_keys": short_keys}
     variant = build_variant(FAMILY, problem, params, target)
-    assert variant.name == f"topk_softmax_bf16_t128_g8_v4_{select}"
+    assert variant.name == f"topk_softmax_bf16_t128_g8_v4_{select}" + ("_k32" if short_keys else "")
     assert ("const float* __restrict__ bias" in variant.source) == bool(FORMS[form].get("bias"))
+    assert ("if (__any_sync(mask, clash))" in variant.source) == short_keys, "short keys check their choice"
     result = compile_source(variant.source, arch)
+    assert result.ok, result.log[:2000]
+
+
+@pytest.mark.parametrize("select", ["rescan", "bitonic"])
+def test_fp32_logits_with_short_keys_compile(select):
+    """The plain form of fp32 logits with short keys reads its picks' logits again (the key no
+    longer holds them) and, not renormalised, takes the softmax sum from the largest of them."""
+    problem = FAMILY.problem("1000x160", "float32", {"k": 6})
+    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select, "short_keys": True}
+    variant = build_variant(FAMILY, problem, params, Target.for_arch("80"))
+    assert "to_f32(row[i_slot[0]])" in variant.source and "key_value(best)" not in variant.source
+    result = compile_source(variant.source, "80")
     assert result.ok, result.log[:2000]
 
 
