@@ -278,6 +278,26 @@ def test_each_strategy_and_form_compiles(form, select, arch):
     assert result.ok, result.log[:2000]
 
 
+def test_the_small_sorting_networks_sort_every_input():
+    """The four- and eight-key networks the bitonic lists sort chunks with, read from a rendered
+    variant and run on every 0-1 input (a comparator network that sorts those sorts all)."""
+    import itertools
+    import re
+
+    problem = FAMILY.problem("64x256", "bfloat16", {"k": 8})
+    params = {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False}
+    source = build_variant(FAMILY, problem, params, Target.for_arch("90")).source
+    for n, size in ((4, 5), (8, 19)):
+        body = source.split(f"void bitonic_sort(rkey_t (&a)[{n}]) {{")[1].split("}")[0]
+        network = [(int(i), int(j)) for i, j in re.findall(r"exchange\(a\[(\d+)\], a\[(\d+)\]\)", body)]
+        assert len(network) == size
+        for bits in itertools.product((0, 1), repeat=n):
+            a = list(bits)
+            for i, j in network:  # exchange(a[i], a[j]) puts the larger first
+                a[i], a[j] = max(a[i], a[j]), min(a[i], a[j])
+            assert a == sorted(bits, reverse=True), (n, bits)
+
+
 @pytest.mark.parametrize("select", ["rescan", "bitonic"])
 def test_fp32_logits_with_short_keys_compile(select):
     """The plain form of fp32 logits with short keys reads its picks' logits again (the key no
