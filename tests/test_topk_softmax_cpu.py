@@ -25,6 +25,13 @@ FORMS = {
 }
 
 
+
+def point(**changes) -> dict:
+    """A point of the space: 128 threads, four a token, 16-byte loads, bitonic lists, 16-bit or
+    64-bit keys, no launch bound, with `changes`."""
+    return {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False,
+            "full_occupancy": False, **changes}
+
 # --- problems and argument errors ----------------------------------------------------------------
 
 def test_the_options_are_part_of_the_key():
@@ -184,13 +191,12 @@ def test_constraints_keep_rows_on_vector_boundaries_and_experts_in_registers():
     valid = space.valid_points(FAMILY.problem_values(sixty, target))
     assert valid and {p["vec"] for p in valid} == {1, 2, 4}, "60 experts: no vector of 8 fits a row"
     wide = FAMILY.problem("128x512", "float32", {"k": 8})
-    point = {"threads": 128, "row_threads": 1, "vec": 4, "select": "rescan", "short_keys": False}
-    assert not FAMILY.is_valid(wide, target, point), \
+    assert not FAMILY.is_valid(wide, target, point(row_threads=1, vec=4, select="rescan")), \
         "512 experts on one thread would spill"
-    assert not FAMILY.is_valid(wide, target, {**point, "threads": 64, "row_threads": 32, "vec": 8}), \
+    assert not FAMILY.is_valid(wide, target, point(threads=64, row_threads=32, select="rescan")), \
         "32 bytes is no load"
     tiny = FAMILY.problem("128x8", "float32", {"k": 1})
-    assert not FAMILY.is_valid(tiny, target, {**point, "row_threads": 4}), \
+    assert not FAMILY.is_valid(tiny, target, point(vec=4, select="rescan")), \
         "two vectors cannot feed four threads"
 
 
@@ -228,12 +234,11 @@ def test_short_keys_hold_the_index_in_the_fewest_low_bits_and_only_for_fp32_valu
         source = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target).source
         assert f"constexpr unsigned int IDX_MASK = {mask}u;" in source, experts
     plain = FAMILY.problem("64x256", "bfloat16", {"k": 8})
-    point = {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic"}
-    assert FAMILY.is_valid(plain, target, {**point, "short_keys": False})
-    assert not FAMILY.is_valid(plain, target, {**point, "short_keys": True})
+    assert FAMILY.is_valid(plain, target, point())
+    assert not FAMILY.is_valid(plain, target, point(short_keys=True))
     grouped = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
-    assert FAMILY.is_valid(grouped, target, {**point, "short_keys": True})
-    values = space_of(FAMILY).evaluate({**point, "short_keys": True}, FAMILY.problem_values(grouped, target))
+    assert FAMILY.is_valid(grouped, target, point(short_keys=True))
+    values = space_of(FAMILY).evaluate(point(short_keys=True), FAMILY.problem_values(grouped, target))
     assert values["key_words"] == 1 and values["list_len"] == 8
     seeds = FAMILY.seed_params(grouped, target)
     assert any(not s["short_keys"] for s in seeds[:24]), "a short tune measures the 64-bit keys too"
@@ -247,15 +252,13 @@ def test_stores_and_lists_take_the_widths_that_fit():
     space = space_of(FAMILY)
     for k, row_threads, out_vec in ((8, 2, 4), (8, 4, 2), (6, 4, 2), (6, 2, 1), (8, 16, 1), (16, 4, 4)):
         problem = FAMILY.problem("64x128", "bfloat16", {"k": k})
-        params = {"threads": 128, "row_threads": row_threads, "vec": 8, "select": "bitonic", "short_keys": False}
+        params = point(row_threads=row_threads)
         values = space.evaluate(params, FAMILY.problem_values(problem, target))
         assert values["out_vec"] == out_vec, (k, row_threads)
         assert values["list_len"] == {6: 8, 8: 8, 16: 16}[k]
     grouped = FAMILY.problem("64x160", "bfloat16", {"k": 6, "n_group": 8, "topk_group": 3})
-    point = {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False}
-    assert not FAMILY.is_valid(grouped, target, point), \
-        "groups of 20 experts: a vector of 8 would straddle two"
-    assert FAMILY.is_valid(grouped, target, {**point, "vec": 4})
+    assert not FAMILY.is_valid(grouped, target, point()), "groups of 20 experts: a vector of 8 would straddle two"
+    assert FAMILY.is_valid(grouped, target, point(vec=4))
 
 
 # --- rendering and compiling -------------------------------------------------------------------------
@@ -269,7 +272,7 @@ def test_each_strategy_and_form_compiles(form, select, arch):
     target = Target.for_arch(arch)
     problem = FAMILY.problem("1000x160", "bfloat16", FORMS[form])
     short_keys = form.startswith("grouped") and arch == "90"
-    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select, "short_keys": short_keys}
+    params = point(row_threads=8, vec=4, select=select, short_keys=short_keys)
     variant = build_variant(FAMILY, problem, params, target)
     assert variant.name == f"topk_softmax_bf16_t128_g8_v4_{select}" + ("_k32" if short_keys else "")
     assert ("const float* __restrict__ bias" in variant.source) == bool(FORMS[form].get("bias"))
@@ -285,7 +288,7 @@ def test_the_small_sorting_networks_sort_every_input():
     import re
 
     problem = FAMILY.problem("64x256", "bfloat16", {"k": 8})
-    params = {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False}
+    params = point()
     source = build_variant(FAMILY, problem, params, Target.for_arch("90")).source
     for n, size in ((4, 5), (8, 19)):
         body = source.split(f"void bitonic_sort(rkey_t (&a)[{n}]) {{")[1].split("}")[0]
@@ -298,12 +301,32 @@ def test_the_small_sorting_networks_sort_every_input():
             assert a == sorted(bits, reverse=True), (n, bits)
 
 
+def test_a_full_sm_is_asked_of_launch_bounds_for_16_bit_keys_only():
+    """full_occupancy: __launch_bounds__ with the blocks that fill an SM's threads (2048 on sm_90,
+    1536 on sm_89), so that ptxas keeps a thread within 32 registers; a 16-bit-key choice only,
+    and among the first seeds."""
+    problem = FAMILY.problem("64x256", "bfloat16", {"k": 8, "renormalize": True})
+    full = point(full_occupancy=True)
+    for arch, blocks in (("90", 16), ("89", 12)):
+        source = build_variant(FAMILY, problem, full, Target.for_arch(arch)).source
+        assert "__launch_bounds__(THREADS, %d)" % blocks in source, arch
+    assert "__launch_bounds__(THREADS)\n" in build_variant(FAMILY, problem, point(), Target.for_arch("90")).source
+    result = compile_source(build_variant(FAMILY, problem, full, Target.for_arch("80")).source, "80")
+    assert result.ok, result.log[:2000]
+    target = Target.for_arch("90")
+    grouped = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
+    assert not FAMILY.is_valid(grouped, target, point(short_keys=True, full_occupancy=True)), \
+        "fp32 values spill in 32 registers"
+    assert any(s["full_occupancy"] for s in FAMILY.seed_params(problem, target)[:4])
+    assert not any(s["full_occupancy"] for s in FAMILY.seed_params(grouped, target))
+
+
 @pytest.mark.parametrize("select", ["rescan", "bitonic"])
 def test_fp32_logits_with_short_keys_compile(select):
     """The plain form of fp32 logits with short keys reads its picks' logits again (the key no
     longer holds them) and, not renormalised, takes the softmax sum from the largest of them."""
     problem = FAMILY.problem("1000x160", "float32", {"k": 6})
-    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select, "short_keys": True}
+    params = point(row_threads=8, vec=4, select=select, short_keys=True)
     variant = build_variant(FAMILY, problem, params, Target.for_arch("80"))
     assert "to_f32(row[i_slot[0]])" in variant.source and "key_value(best)" not in variant.source
     result = compile_source(variant.source, "80")

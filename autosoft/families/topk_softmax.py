@@ -236,7 +236,7 @@ class TopkSoftmaxFamily(RowsFamily):
         per_thread = 64
         row_threads = min(32, pow2_ceil(-(-vectors * vec // per_thread)))
         p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "bitonic",
-                                    "short_keys": short_keys}
+                                    "short_keys": short_keys, "full_occupancy": False}
         return self.first_valid(problem, target, p, (
             {"row_threads": min(32, pow2_ceil(-(-vectors // 2)))}, {"select": "rescan"},
             {"row_threads": min(32, pow2_ceil(-(-vectors // 8)))}, {"row_threads": 32}))
@@ -244,8 +244,10 @@ class TopkSoftmaxFamily(RowsFamily):
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Every token group size with each strategy, bitonic sorts first and the sizes nearest
         the default's first (a short tune then tries both sides of it), each with 128 and 256
-        threads a block; then, with fp32 values, 64-bit keys at the default's two nearest sizes
-        (the measure of what short keys save); then narrower loads and other block sizes."""
+        threads a block, with 16-bit keys after a full SM's blocks (full_occupancy) at the
+        default's size and its nearest for both block sizes; then, with fp32 values, 64-bit keys
+        at the default's two nearest sizes (the measure of what short keys save); then narrower
+        loads and other block sizes."""
         base = self.default_params(problem, target)
         changes: list[dict[str, ParamValue]] = []
         near = int(base["row_threads"]).bit_length()
@@ -256,6 +258,9 @@ class TopkSoftmaxFamily(RowsFamily):
                     changes.append({"row_threads": g, "select": select, "threads": threads})
         if base["short_keys"]:
             changes += [{"row_threads": g, "short_keys": False} for g in sizes[:2]]
+        else:  # 16-bit keys: a full SM's blocks at the default's size and its neighbours, both block sizes
+            changes[2:2] = [{"row_threads": g, "threads": threads, "full_occupancy": True}
+                            for g in sizes[:3] for threads in (128, 256)]
         for vec in (1, 2, 4):
             changes.append({"vec": vec})
         for threads in (32, 64, 256, 512):
