@@ -308,8 +308,9 @@ def test_a_full_sm_is_asked_of_launch_bounds_for_16_bit_keys_only():
     problem = FAMILY.problem("64x256", "bfloat16", {"k": 8, "renormalize": True})
     full = point(full_occupancy=True)
     for arch, blocks in (("90", 16), ("89", 12)):
-        source = build_variant(FAMILY, problem, full, Target.for_arch(arch)).source
-        assert "__launch_bounds__(THREADS, %d)" % blocks in source, arch
+        variant = build_variant(FAMILY, problem, full, Target.for_arch(arch))
+        assert "__launch_bounds__(THREADS, %d)" % blocks in variant.source, arch
+        assert variant.name == "topk_softmax_bf16_t128_g4_v8_bitonic_full"
     assert "__launch_bounds__(THREADS)\n" in build_variant(FAMILY, problem, point(), Target.for_arch("90")).source
     result = compile_source(build_variant(FAMILY, problem, full, Target.for_arch("80")).source, "80")
     assert result.ok, result.log[:2000]

@@ -193,7 +193,7 @@ class TopkSoftmaxFamily(RowsFamily):
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         return (f"topk_softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
-                f"_{p['select']}{'_k32' if p['short_keys'] else ''}")
+                f"_{p['select']}{'_k32' if p['short_keys'] else ''}{'_full' if p['full_occupancy'] else ''}")
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         grouped = self._grouped(problem)
