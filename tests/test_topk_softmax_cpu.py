@@ -291,7 +291,7 @@ def test_the_small_sorting_networks_sort_every_input():
     params = point()
     source = build_variant(FAMILY, problem, params, Target.for_arch("90")).source
     for n, size in ((4, 5), (8, 19)):
-        body = source.split(f"void bitonic_sort(rkey_t (&a)[{n}]) {{")[1].split("}")[0]
+        body = source.split(f"void sort_chunk(rkey_t (&a)[{n}]) {{")[1].split("}")[0]
         network = [(int(i), int(j)) for i, j in re.findall(r"exchange\(a\[(\d+)\], a\[(\d+)\]\)", body)]
         assert len(network) == size
         for bits in itertools.product((0, 1), repeat=n):
