@@ -43,11 +43,11 @@ def _verify_all(cases: list[tuple[Problem, list[dict]]]) -> None:
 
 def _points(problem: Problem) -> list[dict]:
     """The default and, of each strategy, token group size, key width (short keys or not, where
-    the values are fp32) and launch bound (a full SM's blocks or not, 16-bit keys), one valid
-    point."""
+    the values are fp32), list (every expert's keys or the kept groups' alone) and launch bound
+    (a full SM's blocks or not, 16-bit keys), one valid point."""
     target = _target()
     points = [FAMILY.default_params(problem, target)]
-    kind = ("select", "row_threads", "short_keys", "full_occupancy")
+    kind = ("select", "row_threads", "short_keys", "compact", "full_occupancy")
     for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)):
         if p["threads"] == 128 and not any(all(q[n] == p[n] for n in kind) for q in points):
             points.append(p)

@@ -28,8 +28,8 @@ FORMS = {
 
 def point(**changes) -> dict:
     """A point of the space: 128 threads, four a token, 16-byte loads, bitonic lists, 16-bit or
-    64-bit keys, no launch bound, with `changes`."""
-    return {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False,
+    64-bit keys, every expert in the list, no launch bound, with `changes`."""
+    return {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False, "compact": False,
             "full_occupancy": False, **changes}
 
 # --- problems and argument errors ----------------------------------------------------------------
@@ -320,6 +320,32 @@ def test_a_full_sm_is_asked_of_launch_bounds_for_16_bit_keys_only():
         "fp32 values spill in 32 registers"
     assert any(s["full_occupancy"] for s in FAMILY.seed_params(problem, target)[:4])
     assert not any(s["full_occupancy"] for s in FAMILY.seed_params(grouped, target))
+
+
+def test_compact_lists_take_the_kept_groups_vectors_alone():
+    """compact: where every lane's vector j lies in one group (a group a whole number of rows of
+    RT vectors), each thread packs its kept vectors' keys through its own shared-memory column and
+    sorts topk_group / n_group of its keys; short keys, bitonic or sorted lists, 16-byte packs."""
+    target = Target.for_arch("90")
+    values = FAMILY.problem_values(FAMILY.problem("64x256", "bfloat16", DEEPSEEK), target)
+    problem = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
+    packed = point(short_keys=True, compact=True)
+    assert values["topk_group"] == 4
+    assert space_of(FAMILY).evaluate(packed, values)["list_experts"] == 32  # 4 of 8 groups of 64 a thread
+    assert space_of(FAMILY).evaluate(point(short_keys=True), values)["list_experts"] == 64
+    assert not FAMILY.is_valid(problem, target, point(short_keys=True, compact=True, row_threads=8)), \
+        "eight threads: a row of vectors spans two groups"
+    assert not FAMILY.is_valid(problem, target, point(short_keys=True, compact=True, select="rescan"))
+    assert not FAMILY.is_valid(problem, target, point(compact=True)), "64-bit keys are not packed"
+    assert not FAMILY.is_valid(problem, target, point(short_keys=True, compact=True, threads=1024)), "64 KiB"
+    assert not FAMILY.is_valid(FAMILY.problem("64x256", "bfloat16", {"k": 8}), target, point(compact=True))
+    variant = build_variant(FAMILY, problem, packed, target)
+    assert variant.name.endswith("_bitonic_k32_packed")
+    assert "__shared__ uint4 packed[LE / 4][THREADS];" in variant.source
+    assert "constexpr int LE = KV * VEC;" in variant.source
+    assert any(s["compact"] for s in FAMILY.seed_params(problem, target)[:4])
+    result = compile_source(build_variant(FAMILY, problem, packed, Target.for_arch("80")).source, "80")
+    assert result.ok, result.log[:2000]
 
 
 @pytest.mark.parametrize("select", ["rescan", "bitonic"])

@@ -139,7 +139,8 @@ class TopkSoftmaxFamily(RowsFamily):
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, e = problem.shape
         return {"M": m, "E": e, "K": int(problem.option("k")), "itemsize": ITEMSIZE[problem.dtype],
-                "n_group": int(problem.option("n_group", 1)), "key_bits": self._key_bits(problem),
+                "n_group": int(problem.option("n_group", 1)), "topk_group": int(problem.option("topk_group", 1)),
+                "key_bits": self._key_bits(problem),
                 "arch": int(target.arch), "sm_count": target.sm_count}
 
     @classmethod
@@ -193,7 +194,8 @@ class TopkSoftmaxFamily(RowsFamily):
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         return (f"topk_softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
-                f"_{p['select']}{'_k32' if p['short_keys'] else ''}{'_full' if p['full_occupancy'] else ''}")
+                f"_{p['select']}{'_k32' if p['short_keys'] else ''}{'_packed' if p['compact'] else ''}"
+                f"{'_full' if p['full_occupancy'] else ''}")
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         grouped = self._grouped(problem)
@@ -236,7 +238,7 @@ class TopkSoftmaxFamily(RowsFamily):
         per_thread = 64
         row_threads = min(32, pow2_ceil(-(-vectors * vec // per_thread)))
         p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "bitonic",
-                                    "short_keys": short_keys, "full_occupancy": False}
+                                    "short_keys": short_keys, "compact": False, "full_occupancy": False}
         return self.first_valid(problem, target, p, (
             {"row_threads": min(32, pow2_ceil(-(-vectors // 2)))}, {"select": "rescan"},
             {"row_threads": min(32, pow2_ceil(-(-vectors // 8)))}, {"row_threads": 32}))
@@ -258,6 +260,9 @@ class TopkSoftmaxFamily(RowsFamily):
                     changes.append({"row_threads": g, "select": select, "threads": threads})
         if base["short_keys"]:
             changes += [{"row_threads": g, "short_keys": False} for g in sizes[:2]]
+            # grouped: the kept groups' keys alone, at the default's size and its nearest, both block sizes
+            changes[2:2] = [{"row_threads": g, "threads": threads, "compact": True}
+                            for g in sizes[:3] for threads in (128, 256)]
         else:  # 16-bit keys: a full SM's blocks at the default's size and its neighbours, both block sizes
             changes[2:2] = [{"row_threads": g, "threads": threads, "full_occupancy": True}
                             for g in sizes[:3] for threads in (128, 256)]
