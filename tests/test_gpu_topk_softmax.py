@@ -119,8 +119,10 @@ def test_sampled_variants():
 
 NEAR_TIES = [
     ("64x256", "float32", {"k": 4, "renormalize": True}),
+    ("64x256", "float32", {"k": 1}),  # one pick: the best key left is a list's dropped key or another's head
     ("64x256", "float32", {"k": 4, "renormalize": True, "sigmoid": True, "bias": True}),
     ("64x256", "bfloat16", DEEPSEEK),
+    ("64x256", "bfloat16", {**DEEPSEEK, "k": 1}),
 ]
 
 
