@@ -42,15 +42,23 @@ def _verify_all(cases: list[tuple[Problem, list[dict]]]) -> None:
 
 
 def _points(problem: Problem) -> list[dict]:
-    """The default and, of each strategy, token group size, key width (short keys or not, where
-    the values are fp32), list (every expert's keys or the kept groups' alone) and launch bound
-    (a full SM's blocks or not, 16-bit keys), one valid point."""
+    """The default; of each strategy and token group size, one valid point; and of each strategy,
+    one point with each of short keys (fp32 values), compact lists (grouped) and a full SM's
+    launch bound (16-bit keys) where valid."""
     target = _target()
     points = [FAMILY.default_params(problem, target)]
-    kind = ("select", "row_threads", "short_keys", "compact", "full_occupancy")
-    for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)):
-        if p["threads"] == 128 and not any(all(q[n] == p[n] for n in kind) for q in points):
+    valid = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)) if p["threads"] == 128]
+
+    def add(p: dict, kind: tuple[str, ...]) -> None:
+        if not any(all(q[n] == p[n] for n in kind) for q in points):
             points.append(p)
+
+    for p in valid:
+        add(p, ("select", "row_threads"))
+    for flag in ("short_keys", "compact", "full_occupancy"):
+        for p in valid:
+            if p[flag]:
+                add(p, ("select", flag))
     return points
 
 
