@@ -246,10 +246,10 @@ class TopkSoftmaxFamily(RowsFamily):
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Every token group size with each strategy, bitonic sorts first and the sizes nearest
         the default's first (a short tune then tries both sides of it), each with 128 and 256
-        threads a block, with 16-bit keys after a full SM's blocks (full_occupancy) at the
-        default's size and its nearest for both block sizes; then, with fp32 values, 64-bit keys
-        at the default's two nearest sizes (the measure of what short keys save); then narrower
-        loads and other block sizes."""
+        threads a block, right after the default's and its nearest size's first point (both block
+        sizes) with a full SM's blocks where keys are 16-bit, or with compact lists where the
+        form is grouped; then, with fp32 values, 64-bit keys at the default's two nearest sizes
+        (the measure of what short keys save); then narrower loads and other block sizes."""
         base = self.default_params(problem, target)
         changes: list[dict[str, ParamValue]] = []
         near = int(base["row_threads"]).bit_length()
