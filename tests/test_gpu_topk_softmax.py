@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
+from autosoft.dtypes import to_storage
 from autosoft.evaluate import verify
 from autosoft.families import get_family
 from autosoft.families.base import Problem, build_variant, space_of
@@ -40,13 +42,23 @@ def _verify_all(cases: list[tuple[Problem, list[dict]]]) -> None:
 
 
 def _points(problem: Problem) -> list[dict]:
-    """The default and, of each strategy and token group size, one valid point."""
+    """The default; of each strategy and token group size, one valid point; and of each strategy,
+    one point with each of short keys (fp32 values), compact lists (grouped) and a full SM's
+    launch bound (16-bit keys) where valid."""
     target = _target()
     points = [FAMILY.default_params(problem, target)]
-    for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)):
-        if p["threads"] == 128 and not any(q["select"] == p["select"] and q["row_threads"] == p["row_threads"]
-                                           for q in points):
+    valid = [p for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, target)) if p["threads"] == 128]
+
+    def add(p: dict, kind: tuple[str, ...]) -> None:
+        if not any(all(q[n] == p[n] for n in kind) for q in points):
             points.append(p)
+
+    for p in valid:
+        add(p, ("select", "row_threads"))
+    for flag in ("short_keys", "compact", "full_occupancy"):
+        for p in valid:
+            if p[flag]:
+                add(p, ("select", flag))
     return points
 
 
@@ -111,6 +123,63 @@ def test_sampled_variants():
         points = space_of(FAMILY).valid_points(FAMILY.problem_values(problem, _target()))
         cases.append((problem, random.Random(shape).sample(points, min(8, len(points)))))
     _verify_all(cases)
+
+
+NEAR_TIES = [
+    ("64x256", "float32", {"k": 4, "renormalize": True}),
+    ("64x256", "float32", {"k": 1}),  # one pick: the best key left is a list's dropped key or another's head
+    ("64x256", "float32", {"k": 4, "renormalize": True, "sigmoid": True, "bias": True}),
+    ("64x256", "bfloat16", DEEPSEEK),
+    ("64x256", "bfloat16", {**DEEPSEEK, "k": 1}),
+]
+
+
+def _near_ties(problem: Problem, cp):
+    """Experts 1..5 whose selection values differ by two fp32 ulps or tie (the same kept bits of a
+    short key, with the indices in the wrong order), every other expert far below: logits 1 +
+    m * 2^-22 (plain), else logits 0 (equal scores) and bias 0.5 + m * 2^-22, m = 0, 1, 2, 1, 3.
+    The exact order is 5, 3, 2, 4 (tied with 2: the lower index first), 1, then the rest."""
+    m_, e = problem.shape
+    steps = np.array([0, 1, 2, 1, 3], dtype=np.float64) * 2.0 ** -22
+    x = np.full((m_, e), -20.0, dtype=np.float32)
+    bias = np.zeros(e, dtype=np.float32)
+    if problem.option("bias"):
+        x[:, 1:6] = 0.0
+        bias[1:6] = (0.5 + steps).astype(np.float32)
+    else:
+        x[:, 1:6] = (1.0 + steps).astype(np.float32)
+    logits = cp.asarray(to_storage(x, problem.dtype, np))
+    return {"logits": logits, "bias": cp.asarray(bias), "scale": np.float32(1.0)}
+
+
+def test_values_that_share_a_short_keys_kept_bits_are_chosen_exactly():
+    """Where picks share a short key's kept bits the index order is wrong; the check after the
+    rounds must send the warp to the exact 64-bit choice (every strategy, short and 64-bit keys),
+    giving 5, 3, 2, 4 and on. The grouped form's near-ties pass `check` either way, so the
+    indices are compared here exactly."""
+    cp = pytest.importorskip("cupy")
+    from autosoft.evaluate import allocate_outputs
+
+    cases = [(FAMILY.problem(*row), None) for row in NEAR_TIES]
+    variants = [build_variant(FAMILY, problem, params, _target()) for problem, _ in cases
+                for params in _points(problem)]
+    assert any(v.name.endswith("_k32") for v in variants) and not all(v.name.endswith("_k32") for v in variants)
+    failures = []
+    for loaded in loaded_variants(variants):
+        problem = loaded.variant.problem
+        inputs = _near_ties(problem, cp)
+        outputs = allocate_outputs(FAMILY, loaded.variant, cp)
+        loaded.launch({**inputs, **outputs})
+        cp.cuda.runtime.deviceSynchronize()
+        k = int(problem.option("k"))
+        expected = [5, 3, 2, 4, 1, 0, 6, 7][:k]  # grouped: the rest tie, groups 0..3 kept, lower index first
+        got = cp.asnumpy(outputs["indices"])
+        if not (got == np.array(expected)).all():
+            failures.append(f"{loaded.variant.name} on {problem.shape_text}: {got[0].tolist()} != {expected}")
+        wrong = FAMILY.check(problem, inputs, outputs, cp)
+        if wrong:
+            failures.append(f"{loaded.variant.name} on {problem.shape_text}: {wrong}")
+    assert not failures, "\n".join(failures)
 
 
 def test_the_torch_function_matches_torchs_composition_with_ties():

@@ -25,6 +25,13 @@ FORMS = {
 }
 
 
+
+def point(**changes) -> dict:
+    """A point of the space: 128 threads, four a token, 16-byte loads, bitonic lists, 16-bit or
+    64-bit keys, every expert in the list, no launch bound, with `changes`."""
+    return {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic", "short_keys": False, "compact": False,
+            "full_occupancy": False, **changes}
+
 # --- problems and argument errors ----------------------------------------------------------------
 
 def test_the_options_are_part_of_the_key():
@@ -184,19 +191,21 @@ def test_constraints_keep_rows_on_vector_boundaries_and_experts_in_registers():
     valid = space.valid_points(FAMILY.problem_values(sixty, target))
     assert valid and {p["vec"] for p in valid} == {1, 2, 4}, "60 experts: no vector of 8 fits a row"
     wide = FAMILY.problem("128x512", "float32", {"k": 8})
-    assert not FAMILY.is_valid(wide, target, {"threads": 128, "row_threads": 1, "vec": 4, "select": "rescan"}), \
+    assert not FAMILY.is_valid(wide, target, point(row_threads=1, vec=4, select="rescan")), \
         "512 experts on one thread would spill"
-    assert not FAMILY.is_valid(wide, target, {"threads": 64, "row_threads": 32, "vec": 8, "select": "rescan"}), \
+    assert not FAMILY.is_valid(wide, target, point(threads=64, row_threads=32, select="rescan")), \
         "32 bytes is no load"
     tiny = FAMILY.problem("128x8", "float32", {"k": 1})
-    assert not FAMILY.is_valid(tiny, target, {"threads": 128, "row_threads": 4, "vec": 4, "select": "rescan"}), \
+    assert not FAMILY.is_valid(tiny, target, point(vec=4, select="rescan")), \
         "two vectors cannot feed four threads"
 
 
-def test_large_token_counts_get_the_bitonic_default_with_16_bit_keys_where_exact():
-    """Plain bf16/fp16: a key is the 16-bit logit and its index in 32 bits; fp32 logits or
-    fp32 scores (grouped) need 64. The default sorts each thread's keys with bitonic networks and
-    keeps a thread to at most 64 experts with 32-bit keys, 32 with 64-bit ones."""
+def test_large_token_counts_get_the_bitonic_default_with_32_bit_keys():
+    """Plain bf16/fp16: a key is the 16-bit logit and its index in 32 bits, exactly; fp32 logits
+    or fp32 scores (grouped) need 64 (key_bits), and the default takes short keys there: the
+    ordered fp32 value with its low bits holding the index, checked after the rounds. The
+    default sorts each thread's keys with bitonic networks and keeps a thread to at most 64
+    experts."""
     target = Target.for_arch("90")
     for shape, dtype, options, bits in (("65536x128", "bfloat16", {"k": 8, "renormalize": True}, 32),
                                         ("65536x384", "float16", {"k": 8}, 32),
@@ -205,13 +214,35 @@ def test_large_token_counts_get_the_bitonic_default_with_16_bit_keys_where_exact
         problem = FAMILY.problem(shape, dtype, options)
         assert FAMILY.problem_values(problem, target)["key_bits"] == bits, shape
         default = FAMILY.default_params(problem, target)
-        assert default["select"] == "bitonic", shape
+        assert default["select"] == "bitonic" and default["short_keys"] == (bits == 64), shape
         values = space_of(FAMILY).evaluate(default, FAMILY.problem_values(problem, target))
-        assert values["experts_per_thread"] <= (64 if bits == 32 else 32), (shape, default)
-        assert values["experts_per_thread"] * 2 > (64 if bits == 32 else 32) or default["row_threads"] == 1, \
+        assert values["experts_per_thread"] <= 64, (shape, default)
+        assert values["experts_per_thread"] * 2 > 64 or default["row_threads"] == 1, \
             "no more threads a token than that bound needs"
         source = build_variant(FAMILY, problem, default, target).source
-        assert ("typedef unsigned int rkey_t;" in source) == (bits == 32), shape
+        assert "typedef unsigned int rkey_t;" in source, shape
+        assert ("IDX_MASK" in source) == (bits == 64), shape
+
+
+def test_short_keys_hold_the_index_in_the_fewest_low_bits_and_only_for_fp32_values():
+    """The index takes the bits of E - 1 (the rest keep the value, so fewer near-ties fall back);
+    16-bit logits already make exact 32-bit keys, so short keys are no choice there; with fp32
+    values the seeds measure 64-bit keys too."""
+    target = Target.for_arch("90")
+    for experts, mask in ((8, 0x7), (60, 0x3F), (256, 0xFF), (384, 0x1FF), (2048, 0x7FF)):
+        problem = FAMILY.problem(f"4x{experts}", "float32", {"k": 2})
+        source = build_variant(FAMILY, problem, FAMILY.default_params(problem, target), target).source
+        assert f"constexpr unsigned int IDX_MASK = {mask}u;" in source, experts
+    plain = FAMILY.problem("64x256", "bfloat16", {"k": 8})
+    assert FAMILY.is_valid(plain, target, point())
+    assert not FAMILY.is_valid(plain, target, point(short_keys=True))
+    grouped = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
+    assert FAMILY.is_valid(grouped, target, point(short_keys=True))
+    values = space_of(FAMILY).evaluate(point(short_keys=True), FAMILY.problem_values(grouped, target))
+    assert values["key_words"] == 1 and values["list_len"] == 8
+    seeds = FAMILY.seed_params(grouped, target)
+    assert any(not s["short_keys"] for s in seeds[:24]), "a short tune measures the 64-bit keys too"
+    assert all(s["short_keys"] for s in seeds[:12]), "short keys first"
 
 
 def test_stores_and_lists_take_the_widths_that_fit():
@@ -221,14 +252,13 @@ def test_stores_and_lists_take_the_widths_that_fit():
     space = space_of(FAMILY)
     for k, row_threads, out_vec in ((8, 2, 4), (8, 4, 2), (6, 4, 2), (6, 2, 1), (8, 16, 1), (16, 4, 4)):
         problem = FAMILY.problem("64x128", "bfloat16", {"k": k})
-        params = {"threads": 128, "row_threads": row_threads, "vec": 8, "select": "bitonic"}
+        params = point(row_threads=row_threads)
         values = space.evaluate(params, FAMILY.problem_values(problem, target))
         assert values["out_vec"] == out_vec, (k, row_threads)
         assert values["list_len"] == {6: 8, 8: 8, 16: 16}[k]
     grouped = FAMILY.problem("64x160", "bfloat16", {"k": 6, "n_group": 8, "topk_group": 3})
-    assert not FAMILY.is_valid(grouped, target, {"threads": 128, "row_threads": 4, "vec": 8, "select": "bitonic"}), \
-        "groups of 20 experts: a vector of 8 would straddle two"
-    assert FAMILY.is_valid(grouped, target, {"threads": 128, "row_threads": 4, "vec": 4, "select": "bitonic"})
+    assert not FAMILY.is_valid(grouped, target, point()), "groups of 20 experts: a vector of 8 would straddle two"
+    assert FAMILY.is_valid(grouped, target, point(vec=4))
 
 
 # --- rendering and compiling -------------------------------------------------------------------------
@@ -237,13 +267,96 @@ def test_stores_and_lists_take_the_widths_that_fit():
 @pytest.mark.parametrize("select", ["rescan", "sorted", "bitonic"])
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_each_strategy_and_form_compiles(form, select, arch):
+    """The grouped forms (fp32 scores) with short keys on sm_90 and 64-bit keys on sm_80: both
+    selections of every strategy, no compile more."""
     target = Target.for_arch(arch)
     problem = FAMILY.problem("1000x160", "bfloat16", FORMS[form])
-    params = {"threads": 128, "row_threads": 8, "vec": 4, "select": select}
+    short_keys = form.startswith("grouped") and arch == "90"
+    params = point(row_threads=8, vec=4, select=select, short_keys=short_keys)
     variant = build_variant(FAMILY, problem, params, target)
-    assert variant.name == f"topk_softmax_bf16_t128_g8_v4_{select}"
+    assert variant.name == f"topk_softmax_bf16_t128_g8_v4_{select}" + ("_k32" if short_keys else "")
     assert ("const float* __restrict__ bias" in variant.source) == bool(FORMS[form].get("bias"))
+    assert ("if (__any_sync(mask, clash))" in variant.source) == short_keys, "short keys check their choice"
     result = compile_source(variant.source, arch)
+    assert result.ok, result.log[:2000]
+
+
+def test_the_small_sorting_networks_sort_every_input():
+    """The four- and eight-key networks the bitonic lists sort chunks with, read from a rendered
+    variant and run on every 0-1 input (a comparator network that sorts those sorts all)."""
+    import itertools
+    import re
+
+    problem = FAMILY.problem("64x256", "bfloat16", {"k": 8})
+    params = point()
+    source = build_variant(FAMILY, problem, params, Target.for_arch("90")).source
+    for n, size in ((4, 5), (8, 19)):
+        body = source.split(f"void sort_chunk(rkey_t (&a)[{n}]) {{")[1].split("}")[0]
+        network = [(int(i), int(j)) for i, j in re.findall(r"exchange\(a\[(\d+)\], a\[(\d+)\]\)", body)]
+        assert len(network) == size
+        for bits in itertools.product((0, 1), repeat=n):
+            a = list(bits)
+            for i, j in network:  # exchange(a[i], a[j]) puts the larger first
+                a[i], a[j] = max(a[i], a[j]), min(a[i], a[j])
+            assert a == sorted(bits, reverse=True), (n, bits)
+
+
+def test_a_full_sm_is_asked_of_launch_bounds_for_16_bit_keys_only():
+    """full_occupancy: __launch_bounds__ with the blocks that fill an SM's threads (2048 on sm_90,
+    1536 on sm_89), so that ptxas keeps a thread within 32 registers; a 16-bit-key choice only,
+    and among the first seeds."""
+    problem = FAMILY.problem("64x256", "bfloat16", {"k": 8, "renormalize": True})
+    full = point(full_occupancy=True)
+    for arch, blocks in (("90", 16), ("89", 12)):
+        variant = build_variant(FAMILY, problem, full, Target.for_arch(arch))
+        assert "__launch_bounds__(THREADS, %d)" % blocks in variant.source, arch
+        assert variant.name == "topk_softmax_bf16_t128_g4_v8_bitonic_full"
+    assert "__launch_bounds__(THREADS)\n" in build_variant(FAMILY, problem, point(), Target.for_arch("90")).source
+    result = compile_source(build_variant(FAMILY, problem, full, Target.for_arch("80")).source, "80")
+    assert result.ok, result.log[:2000]
+    target = Target.for_arch("90")
+    grouped = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
+    assert not FAMILY.is_valid(grouped, target, point(short_keys=True, full_occupancy=True)), \
+        "fp32 values spill in 32 registers"
+    assert any(s["full_occupancy"] for s in FAMILY.seed_params(problem, target)[:4])
+    assert not any(s["full_occupancy"] for s in FAMILY.seed_params(grouped, target))
+
+
+def test_compact_lists_take_the_kept_groups_vectors_alone():
+    """compact: where every lane's vector j lies in one group (a group a whole number of rows of
+    RT vectors), each thread packs its kept vectors' keys through its own shared-memory column and
+    sorts topk_group / n_group of its keys; short keys, bitonic or sorted lists, 16-byte packs."""
+    target = Target.for_arch("90")
+    values = FAMILY.problem_values(FAMILY.problem("64x256", "bfloat16", DEEPSEEK), target)
+    problem = FAMILY.problem("64x256", "bfloat16", DEEPSEEK)
+    packed = point(short_keys=True, compact=True)
+    assert values["topk_group"] == 4
+    assert space_of(FAMILY).evaluate(packed, values)["list_experts"] == 32  # 4 of 8 groups of 64 a thread
+    assert space_of(FAMILY).evaluate(point(short_keys=True), values)["list_experts"] == 64
+    assert not FAMILY.is_valid(problem, target, point(short_keys=True, compact=True, row_threads=8)), \
+        "eight threads: a row of vectors spans two groups"
+    assert not FAMILY.is_valid(problem, target, point(short_keys=True, compact=True, select="rescan"))
+    assert not FAMILY.is_valid(problem, target, point(compact=True)), "64-bit keys are not packed"
+    assert not FAMILY.is_valid(problem, target, point(short_keys=True, compact=True, threads=1024)), "64 KiB"
+    assert not FAMILY.is_valid(FAMILY.problem("64x256", "bfloat16", {"k": 8}), target, point(compact=True))
+    variant = build_variant(FAMILY, problem, packed, target)
+    assert variant.name.endswith("_bitonic_k32_packed")
+    assert "__shared__ uint4 packed[LE / 4][THREADS];" in variant.source
+    assert "constexpr int LE = KV * VEC;" in variant.source
+    assert any(s["compact"] for s in FAMILY.seed_params(problem, target)[:4])
+    result = compile_source(build_variant(FAMILY, problem, packed, Target.for_arch("80")).source, "80")
+    assert result.ok, result.log[:2000]
+
+
+@pytest.mark.parametrize("select", ["rescan", "bitonic"])
+def test_fp32_logits_with_short_keys_compile(select):
+    """The plain form of fp32 logits with short keys reads its picks' logits again (the key no
+    longer holds them) and, not renormalised, takes the softmax sum from the largest of them."""
+    problem = FAMILY.problem("1000x160", "float32", {"k": 6})
+    params = point(row_threads=8, vec=4, select=select, short_keys=True)
+    variant = build_variant(FAMILY, problem, params, Target.for_arch("80"))
+    assert "to_f32(row[i_slot[0]])" in variant.source and "key_value(best)" not in variant.source
+    result = compile_source(variant.source, "80")
     assert result.ok, result.log[:2000]
 
 

@@ -139,7 +139,8 @@ class TopkSoftmaxFamily(RowsFamily):
     def problem_values(self, problem: Problem, target: Target) -> dict[str, Any]:
         m, e = problem.shape
         return {"M": m, "E": e, "K": int(problem.option("k")), "itemsize": ITEMSIZE[problem.dtype],
-                "n_group": int(problem.option("n_group", 1)), "key_bits": self._key_bits(problem),
+                "n_group": int(problem.option("n_group", 1)), "topk_group": int(problem.option("topk_group", 1)),
+                "key_bits": self._key_bits(problem),
                 "arch": int(target.arch), "sm_count": target.sm_count}
 
     @classmethod
@@ -193,7 +194,8 @@ class TopkSoftmaxFamily(RowsFamily):
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         return (f"topk_softmax_{_SHORT[problem.dtype]}_t{p['threads']}_g{p['row_threads']}_v{p['vec']}"
-                f"_{p['select']}")
+                f"_{p['select']}{'_k32' if p['short_keys'] else ''}{'_packed' if p['compact'] else ''}"
+                f"{'_full' if p['full_occupancy'] else ''}")
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         grouped = self._grouped(problem)
@@ -201,7 +203,9 @@ class TopkSoftmaxFamily(RowsFamily):
         return {**values, "dtype": problem.dtype, "vec_bits_type": VEC_BITS_TYPE[values["vec_bytes"]],
                 "scores": scores, "bias": bool(problem.option("bias")), "renormalize": bool(problem.option("renormalize")),
                 "topk_group": int(problem.option("topk_group", 1)),
-                "group_score": "top2" if problem.option("bias") else "max"}
+                "group_score": "top2" if problem.option("bias") else "max",
+                # short keys: the low bits of a key that hold an expert's index (inverted)
+                "idx_mask": (1 << max(1, (problem.shape[1] - 1).bit_length())) - 1}
 
     @staticmethod
     def _grouped(problem: Problem) -> bool:
@@ -218,10 +222,10 @@ class TopkSoftmaxFamily(RowsFamily):
         return (Launch("topk_softmax", (blocks, 1, 1), (values["threads"], 1, 1), 0, args),), 0
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue]:
-        """16-byte loads where E allows (and, grouped, a vector inside a group), up to 64 experts
-        a thread with 32-bit keys and 32 with 64-bit ones (fewer threads per token: fewer
-        shuffle rounds, and ptxas streams a thread's keys through its sorts in few registers),
-        each thread's best keys by bitonic sorts, 128 threads a block; the rescan where a thread
+        """16-byte loads where E allows (and, grouped, a vector inside a group), short keys where
+        the values are fp32, up to 64 experts a thread (fewer threads per token: fewer shuffle
+        rounds, and ptxas streams a thread's keys through its sorts in few registers), each
+        thread's best keys by bitonic sorts, 128 threads a block; the rescan where a thread
         holds one expert."""
         _, e = problem.shape
         itemsize = ITEMSIZE[problem.dtype]
@@ -230,9 +234,11 @@ class TopkSoftmaxFamily(RowsFamily):
         while vec * 2 * itemsize <= 16 and e % (vec * 2) == 0 and group % (vec * 2) == 0:
             vec *= 2
         vectors = e // vec
-        per_thread = 64 if self._key_bits(problem) == 32 else 32
+        short_keys = self._key_bits(problem) == 64
+        per_thread = 64
         row_threads = min(32, pow2_ceil(-(-vectors * vec // per_thread)))
-        p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "bitonic"}
+        p: dict[str, ParamValue] = {"threads": 128, "row_threads": row_threads, "vec": vec, "select": "bitonic",
+                                    "short_keys": short_keys, "compact": False, "full_occupancy": False}
         return self.first_valid(problem, target, p, (
             {"row_threads": min(32, pow2_ceil(-(-vectors // 2)))}, {"select": "rescan"},
             {"row_threads": min(32, pow2_ceil(-(-vectors // 8)))}, {"row_threads": 32}))
@@ -240,7 +246,10 @@ class TopkSoftmaxFamily(RowsFamily):
     def seed_params(self, problem: Problem, target: Target) -> list[dict[str, ParamValue]]:
         """Every token group size with each strategy, bitonic sorts first and the sizes nearest
         the default's first (a short tune then tries both sides of it), each with 128 and 256
-        threads a block; then narrower loads and other block sizes."""
+        threads a block, right after the default's and its nearest size's first point (both block
+        sizes) with a full SM's blocks where keys are 16-bit, or with compact lists where the
+        form is grouped; then, with fp32 values, 64-bit keys at the default's two nearest sizes
+        (the measure of what short keys save); then narrower loads and other block sizes."""
         base = self.default_params(problem, target)
         changes: list[dict[str, ParamValue]] = []
         near = int(base["row_threads"]).bit_length()
@@ -249,6 +258,14 @@ class TopkSoftmaxFamily(RowsFamily):
             for threads in (128, 256):
                 for g in sizes:
                     changes.append({"row_threads": g, "select": select, "threads": threads})
+        if base["short_keys"]:
+            changes += [{"row_threads": g, "short_keys": False} for g in sizes[:2]]
+            # grouped: the kept groups' keys alone, at the default's size and its nearest, both block sizes
+            changes[2:2] = [{"row_threads": g, "threads": threads, "compact": True}
+                            for g in sizes[:3] for threads in (128, 256)]
+        else:  # 16-bit keys: a full SM's blocks at the default's size and its neighbours, both block sizes
+            changes[2:2] = [{"row_threads": g, "threads": threads, "full_occupancy": True}
+                            for g in sizes[:3] for threads in (128, 256)]
         for vec in (1, 2, 4):
             changes.append({"vec": vec})
         for threads in (32, 64, 256, 512):
