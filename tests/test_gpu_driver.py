@@ -41,7 +41,9 @@ def test_the_driver_reads_the_device_as_cupy_does():
 def test_the_driver_launch_gives_the_bits_of_the_cupy_launch(cache_dir, name, shape, dtype, options):
     """Each family's examples, default variant: the same inputs through a LoadedVariant of each
     driver (libcuda, CuPy), outputs compared bit for bit. The examples hold cooperative
-    splits with workspaces, clusters and large dynamic shared memory, which each must set up."""
+    splits with workspaces, clusters and large dynamic shared memory, which each must set up. A
+    family with a `deterministic` option is asked for it: its other variants add partial results in
+    whatever order the blocks come, so two runs through one driver differ in the last bits too."""
     from autosoft import driver
     from autosoft.evaluate import allocate_outputs
     from autosoft.families import get_family
@@ -52,6 +54,8 @@ def test_the_driver_launch_gives_the_bits_of_the_cupy_launch(cache_dir, name, sh
     cp = cupy_module()
     family = get_family(name)
     target = device_info().target
+    if any(option.name == "deterministic" for option in family.options):
+        options = {**options, "deterministic": True}
     problem = family.problem(shape, dtype, options)
     variant = build_variant(family, problem, family.default_params(problem, target), target)
     cubin = default_store().get_or_compile(variant)
@@ -87,11 +91,13 @@ _EVERY_FUNCTION = textwrap.dedent("""
     hidden = torch.randn(16, 64, device=dev, dtype=torch.bfloat16)
     weight = torch.randn(1000, 64, device=dev, dtype=torch.bfloat16)
     router = torch.randn(33, 160, device=dev)
+    o, lse = autosoft.attention(q, k, v, causal=True, return_lse=True)
     calls = {
         "softmax": lambda: autosoft.softmax(x),
         "log_softmax": lambda: autosoft.log_softmax(x, dim=0),
         "attention": lambda: autosoft.attention(q, k, v, causal=True, return_lse=True),
         "attention_colsum": lambda: autosoft.attention_colsum(q, k, v, 50),
+        "attention_backward": lambda: autosoft.attention_backward(q, k, v, o, torch.randn_like(o), lse, causal=True),
         "topk_softmax": lambda: autosoft.topk_softmax(router, 6),
         "cross_entropy": lambda: autosoft.cross_entropy(logits, target),
         "linear_cross_entropy": lambda: autosoft.linear_cross_entropy(hidden, weight, target),
