@@ -681,21 +681,8 @@ def test_aot_autograd_traces_attentions_backward_through_attention_backward():
     """Training under torch.compile: the forward graph holds the attention operator and the backward
     graph one attention_backward with the call's options; lse is an output of the compiled function,
     so AOTAutograd gives it a tangent, which the graph passes as dlse."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
     torch._dynamo.reset()
-    graphs = {"forward": [], "backward": []}
-
-    def compiler(kind):
-        def compile_graph(graph, inputs):
-            graphs[kind].append(graph)
-            return make_boxed_func(graph.forward)
-        return compile_graph
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
-                                     bw_compiler=compiler("backward"))
+    graphs, backend = _aot_graphs()
 
     def f(q, k, v):
         o, lse = autosoft.attention(q, k, v, causal=True, return_lse=True, window=(8, 4))
@@ -916,21 +903,8 @@ def test_aot_autograd_traces_the_backward_through_softmax_backward():
     """Training under torch.compile: AOTAutograd runs the operators' autograd kernels on its own fake
     tensors, so the forward graph holds softmax and log_softmax and the backward graph one
     softmax_backward for each, with its dim and flavour (meta tensors: the fake paths only)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
     torch._dynamo.reset()
-    graphs = {"forward": [], "backward": []}
-
-    def compiler(kind):
-        def compile_graph(graph, inputs):
-            graphs[kind].append(graph)
-            return make_boxed_func(graph.forward)
-        return compile_graph
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
-                                     bw_compiler=compiler("backward"))
+    graphs, backend = _aot_graphs()
 
     def f(x):
         return ops.softmax(x * 2, -1) + ops.log_softmax(x, 0)
@@ -945,3 +919,23 @@ def test_aot_autograd_traces_the_backward_through_softmax_backward():
     assert sorted((str(n.target), n.args[2], n.args[3]) for n in backward) == \
         [("autosoft.softmax_backward.default", -1, False), ("autosoft.softmax_backward.default", 0, True)]
     torch._dynamo.reset()
+
+
+def _aot_graphs():
+    """A torch.compile backend that traces with AOTAutograd and keeps the forward and backward
+    graphs it compiles, and the lists it keeps them in ({"forward": [...], "backward": [...]})."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = {"forward": [], "backward": []}
+
+    def compiler(kind):
+        def compile_graph(graph, inputs):
+            graphs[kind].append(graph)
+            return make_boxed_func(graph.forward)
+        return compile_graph
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
+                                     bw_compiler=compiler("backward"))
+    return graphs, backend
