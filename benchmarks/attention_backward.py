@@ -339,8 +339,10 @@ def _fmt(x: float | None, spec: str = ".0f") -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    # tuned in this run, served from a cache tuned earlier, or untuned
+    served = "tuned" if result.get("tuned") else f"entries of {result['cache']}" if result.get("cache") else "untuned"
     print(f"\nattention backward on {result['gpu']} (torch {result['torch']}, commit {result['commit']}, "
-          f"{'tuned' if result.get('tuned') else 'untuned'}), TF/s (backward = 2.5x forward FLOPs; fwd+bwd 3.5x)")
+          f"{served}), TF/s (backward = 2.5x forward FLOPs; fwd+bwd 3.5x)")
     print("| B,H,N,D | mask | dtype | autosoft | autosoft det | cuDNN | FA2 (SDPA flash) | FA4 | vs cuDNN | vs FA4 "
           "| det / non-det | fwd+bwd autosoft | fwd+bwd cuDNN | dq rel L2 vs SDPA |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -408,7 +410,8 @@ def main() -> int:
 
     device = device_info()
     result: dict[str, Any] = {"gpu": device.name, "cc": device.compute_capability, "nvrtc": device.cuda_version,
-                              "torch": torch.__version__, "commit": commit(), "tuned": bool(args.tune), "rows": []}
+                              "torch": torch.__version__, "commit": commit(), "tuned": bool(args.tune),
+                              "cache": str(args.cache) if args.cache else None, "rows": []}
     if args.tune:
         result["variants"] = tune_rows(rows, dtypes, args.cache, args.tune, args.seed)
     if args.cache is not None:
