@@ -67,8 +67,8 @@ def test_reference_is_torch_autograd(shape, options):
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])
-def test_default_kernels_compile_without_spilling_much(arch):
-    """Each example's default compiles with NVRTC; D = 128's default keeps dK and dV in registers."""
+def test_default_kernels_compile(arch):
+    """Each example's default (every head dim, mask, cap, dlse, ordered adds) compiles with NVRTC."""
     target = Target.for_arch(arch)
     for shape, dtype, options in FAMILY.examples:
         problem = FAMILY.problem(shape, dtype, options)
