@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..dtypes import to_float64, to_storage
+from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..operators import OperatorCall, TorchOperator
 from . import register
 from ._attention_backward_mma import MmaBackwardEngine
@@ -114,11 +114,9 @@ class AttentionBackwardFamily(AttentionFamily):
         like k, in the input dtype. deterministic=True uses only variants whose dq is the same bits
         on every run. A torch training step never calls this: autosoft.attention on tensors that
         require gradients records it as its backward."""
-        who = f"autosoft.{self.name}"
         head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
-        scale = check_scale(scale, head_dim, who)
-        options = {**call_options(causal, window, softcap, who), "deterministic": bool(deterministic)}
-        return Call((q, k, v, o, do, lse, dlse), options, {"scale": np.float32(scale)}, ("dq", "dk", "dv"))
+        options, scale = _checked(causal, scale, head_dim, window, softcap, deterministic)
+        return Call((q, k, v, o, do, lse, dlse), options, {"scale": scale}, ("dq", "dk", "dv"))
 
     # --- what it costs ------------------------------------------------------------------
 
@@ -126,7 +124,7 @@ class AttentionBackwardFamily(AttentionFamily):
         """q, k, v, o and do read, dq, dk, dv written once, lse read (and dlse where given)."""
         b, h, n, d = problem.shape
         kv_heads, kv_len = _kv(problem)
-        item = 2
+        item = ITEMSIZE[problem.dtype]
         lse_rows = 4 * b * h * n * (2 if "lse_grad" in problem.flags else 1)
         return item * d * (4 * b * h * n + 4 * b * kv_heads * kv_len) + lse_rows
 
@@ -172,7 +170,7 @@ class AttentionBackwardFamily(AttentionFamily):
         kernel's rounding of P and dS is measured against the size of the terms that cancel (the
         reference's `scale`), not against the near-zero result. A query that sees no key, and a key
         that no query sees, must get exactly 0."""
-        refs, sizes = reference_gradients(problem, inputs, xp, with_sizes=True)
+        refs, sizes = reference_gradients(problem, inputs, xp)
         unseen_queries, unseen_keys = _unseen(problem, xp)
         tol = TOLERANCE[problem.dtype]
         for name in ("dq", "dk", "dv"):
@@ -201,6 +199,15 @@ class AttentionBackwardFamily(AttentionFamily):
         return None
 
 
+def _checked(causal: Any, scale: Any, head_dim: int, window: Any, softcap: Any,
+             deterministic: Any) -> tuple[dict[str, Any], np.float32]:
+    """A call's problem options and its scale, checked as the forward checks them (its errors
+    naming autosoft.attention_backward): the Python function's and the operator's alike."""
+    who = "autosoft.attention_backward"
+    checked_scale = np.float32(check_scale(scale, head_dim, who))
+    return {**call_options(causal, window, softcap, who), "deterministic": bool(deterministic)}, checked_scale
+
+
 def _unseen(problem: Problem, xp: Any) -> tuple[Any, Any]:
     """(queries that see no key, (N,) bool; keys that no query sees, (Nkv,) bool), on xp's device."""
     n = problem.shape[2]
@@ -213,13 +220,13 @@ def _unseen(problem: Problem, xp: Any) -> tuple[Any, Any]:
     return xp.asarray(~has), xp.asarray(np.cumsum(seen_by)[:kv_len] == 0)
 
 
-def reference_gradients(problem: Problem, inputs: Mapping[str, Any], xp: Any,
-                        with_sizes: bool = False) -> Any:
+def reference_gradients(problem: Problem, inputs: Mapping[str, Any], xp: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """float64 dq, dk, dv on the GPU, with explicit masks, from the inputs (q, k, v, do, the
     forward's o and lse as given, dlse), in chunks of KV heads and query rows as the forward's
     reference: what the kernel computes, in exact arithmetic. (Given the float64 forward's o and lse,
-    it is the exact gradient of attention.) with_sizes: also the same products of the terms' absolute
-    values (|dS| taken as P (|dP| + |Delta|)), which bound the rounding where dS cancels."""
+    it is the exact gradient of attention.) Returns (gradients, sizes) by name: the sizes are the
+    same products of the terms' absolute values (|dS| taken as P (|dP| + |Delta|)), which bound the
+    rounding where dS cancels."""
     b, h, n, d = problem.shape
     kv_heads, kv_len = _kv(problem)
     group = h // kv_heads
@@ -234,7 +241,7 @@ def reference_gradients(problem: Problem, inputs: Mapping[str, Any], xp: Any,
     dq = xp.zeros((b * kv_heads, group, n, d), dtype=np.float64)
     dk = xp.zeros((b * kv_heads, kv_len, d), dtype=np.float64)
     dv = xp.zeros((b * kv_heads, kv_len, d), dtype=np.float64)
-    sizes = {name: xp.zeros_like(a) for name, a in (("dq", dq), ("dk", dk), ("dv", dv))} if with_sizes else {}
+    sizes = {name: xp.zeros_like(a) for name, a in (("dq", dq), ("dk", dk), ("dv", dv))}
     rows = max(1, min(n, _REF_BYTES // (8 * kv_len * group)))
     keys = xp.arange(kv_len)[None, :]
     for hh in range(b * kv_heads):
@@ -255,15 +262,14 @@ def reference_gradients(problem: Problem, inputs: Mapping[str, Any], xp: Any,
             dv[hh] += xp.einsum("gik,gid->kd", p, do[hh, :, r0:r1])
             dk[hh] += xp.einsum("gik,gid->kd", ds, qh)
             dq[hh, :, r0:r1] = xp.matmul(ds, kh)
-            if with_sizes:
-                size = p * (xp.abs(dp) + xp.abs(delta[hh, :, r0:r1, None])) * ds_dx
-                sizes["dv"][hh] += xp.einsum("gik,gid->kd", p, xp.abs(do[hh, :, r0:r1]))
-                sizes["dk"][hh] += xp.einsum("gik,gid->kd", size, xp.abs(qh))
-                sizes["dq"][hh, :, r0:r1] = xp.matmul(size, xp.abs(kh))
+            size = p * (xp.abs(dp) + xp.abs(delta[hh, :, r0:r1, None])) * ds_dx
+            sizes["dv"][hh] += xp.einsum("gik,gid->kd", p, xp.abs(do[hh, :, r0:r1]))
+            sizes["dk"][hh] += xp.einsum("gik,gid->kd", size, xp.abs(qh))
+            sizes["dq"][hh, :, r0:r1] = xp.matmul(size, xp.abs(kh))
     shapes = {"dq": (b, h, n, d), "dk": (b, kv_heads, kv_len, d), "dv": (b, kv_heads, kv_len, d)}
     grads = {"dq": dq, "dk": dk, "dv": dv}
-    out = {name: a.reshape(shapes[name]) for name, a in grads.items()}
-    return (out, {name: a.reshape(shapes[name]) for name, a in sizes.items()}) if with_sizes else out
+    return ({name: a.reshape(shapes[name]) for name, a in grads.items()},
+            {name: a.reshape(shapes[name]) for name, a in sizes.items()})
 
 
 __all__ = ["ATTENTION_BACKWARD", "AttentionBackwardFamily", "reference_gradients"]
@@ -277,11 +283,9 @@ def _operator_call(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, dlse: Any,
                    window_left: int | None = None, window_right: int | None = None, softcap: float | None = None,
                    deterministic: bool = False) -> OperatorCall:
     """What autosoft.attention_backward runs for the same arguments (window=(window_left, window_right))."""
-    who = "autosoft.attention_backward"
-    scale = check_scale(scale, q.shape[-1], who)
     window = None if window_left is None and window_right is None else (window_left, window_right)
-    options = {**call_options(causal, window, softcap, who), "deterministic": bool(deterministic)}
-    return OperatorCall((q, k, v, o, do, lse, dlse), options, {"scale": np.float32(scale)})
+    options, scale_value = _checked(causal, scale, q.shape[-1], window, softcap, deterministic)
+    return OperatorCall((q, k, v, o, do, lse, dlse), options, {"scale": scale_value})
 
 
 AttentionBackwardFamily.torch_operators = (
