@@ -186,7 +186,7 @@ def _open(spec: BatchSpec, problem: Problem, runner: Runner, cache: Cache, stora
     family = get_family(problem.family)
     device = runner.device
     search = open_study(family, problem, device, cache, runner, seed=seed, resume=resume, storage=storage,
-                        worker=board.worker, is_live=board.live)
+                        worker=board.worker, is_live=board.live, reaps=False)
     ledger = Ledger(search, cache, problem, device, spec.trials, None,
                     default_params=family.default_params(problem, device.target),
                     resumed=resumed_trials(search, family, problem, device.target))

@@ -200,11 +200,14 @@ class Board:
 
     def live(self, worker: str) -> bool:
         """Whether `worker` is alive, from a view of the board at most lease_s / 8 old (the
-        search asks for every running trial it sees; one read serves them all)."""
+        search asks for every running trial it sees; one read serves them all). A worker the
+        view does not know joined after it: the board is read again rather than taking a
+        worker that just started for dead."""
         if worker == self.worker:
             return True
         now = time.time()
-        if self._recent is None or now - self._recent.taken > self.lease_s / 8:
+        if (self._recent is None or now - self._recent.taken > self.lease_s / 8
+                or worker not in self._recent.workers):
             self._recent = self.snapshot()
         return self._recent.is_live(worker)
 

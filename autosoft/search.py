@@ -38,12 +38,14 @@ class Search:
 
     worker: the id this process's claims carry (a fresh one by default); is_live(worker id):
     whether another worker is alive (default: none is, so a RUNNING trial left by an earlier,
-    interrupted run is taken up again)."""
+    interrupted run is taken up again). `reaps`: whether this search takes up dead workers'
+    trials; a helper's does not (only the problem's owner does, who re-runs what it reaps
+    before anything else, so a reaped point is never left without its retry)."""
 
     def __init__(self, space: SearchSpace, valid: Sequence[Mapping[str, ParamValue]], *,
                  seeds: Sequence[Mapping[str, ParamValue]] = (), seed: int = 0,
                  storage: Any = None, study_name: str | None = None, n_startup: int = 12,
-                 worker: str | None = None, is_live: Callable[[str], bool] | None = None):
+                 worker: str | None = None, is_live: Callable[[str], bool] | None = None, reaps: bool = True):
         if not valid:
             raise ValueError("the search space has no valid point for this problem")
         self.space = space
@@ -71,6 +73,7 @@ class Search:
                                for engine, group in self._groups.items()}
         self.worker = worker or uuid.uuid4().hex
         self._is_live = is_live or (lambda other: False)
+        self._reaps = reaps
         self._storage = optuna.storages.get_storage(storage)
         # with engines the space is conditional (each engine's parameters): TPE's groups model each
         with warnings.catch_warnings():
@@ -132,9 +135,10 @@ class Search:
             if kind == "running":
                 owner = str(t.user_attrs.get("worker", ""))
                 if owner != self.worker and not self._is_live(owner):
-                    if self._reap(t):
-                        continue
-                    kind = "reaped"
+                    if self._reaps:
+                        if self._reap(t):
+                            continue
+                        kind = "reaped"
                 elif owner != self.worker:
                     self._running_elsewhere += 1
             if kind != "reaped":
@@ -217,9 +221,12 @@ class Search:
 
     def claim(self, params: Mapping[str, ParamValue]) -> None:
         """Claim a point measured outside ask() (the default, first): not proposed again, and
-        told like the others. A pending retry of the same point is dropped: this is it."""
-        self._retries = [(p, n) for p, n in self._retries if self._key(p) != self._key(params)]
-        self._claim(dict(params))
+        told like the others. A pending retry of the same point is this claim (it records the
+        reaped trial it replaces, as ask()'s retries do)."""
+        key = self._key(params)
+        replaced = [n for p, n in self._retries if self._key(p) == key]
+        self._retries = [(p, n) for p, n in self._retries if self._key(p) != key]
+        self._claim(dict(params), retry_of=replaced[0] if replaced else None)
 
     def _claim(self, params: dict[str, ParamValue], retry_of: int | None = None, first: bool = False,
                budget: int | None = None) -> bool | None:
@@ -242,7 +249,7 @@ class Search:
             number = self._storage.get_trial_number_from_id(trial_id)
             earlier: set[tuple] = set()  # the points claimed or measured before this claim
             for t in self._storage.get_all_trials(self._study_id, deepcopy=False):
-                if t.number < number and t.params and _point_state(t) in ("measured", "running"):
+                if t.number < number and t.params and self._holds_place(t):
                     earlier.add(self._key(self.plain(t.params)))
             if key in earlier:
                 self._storage.set_trial_state_values(trial_id, TrialState.PRUNED)
@@ -255,6 +262,17 @@ class Search:
         self._mine[key] = trial_id
         self._spent += 1
         return True
+
+    def _holds_place(self, t: FrozenTrial) -> bool:
+        """Whether a trial holds one of the study's places: measured, running, or reaped by a
+        live worker, whose retry of the point is about to be claimed (the same point: a set of
+        points counts the two once). Without the last, a claim slipped in between a reap and its
+        retry would take the reaped trial's place and the study end one point past its budget."""
+        kind = _point_state(t)
+        if kind == "reaped":
+            reaper = str(t.user_attrs.get("reaped_by", ""))
+            return bool(reaper) and (reaper == self.worker or self._is_live(reaper))
+        return kind in ("measured", "running")
 
     def withdraw(self, params: Mapping[str, ParamValue]) -> None:
         """Give up a claim unevaluated (the tune was interrupted): the point is untried again."""

@@ -234,12 +234,12 @@ def valid_points(family: Family, problem: Problem, target: Target,
 
 def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cache, runner: Runner, *,
                seed: int, resume: bool, storage: Any = None, worker: str | None = None,
-               is_live: Callable[[str], bool] | None = None, warm_start: bool = True) -> Search:
+               is_live: Callable[[str], bool] | None = None, warm_start: bool = True, reaps: bool = True) -> Search:
     """The search over the problem's valid points, its Optuna study in `storage` (an Optuna
     storage or URL; by default the SQLite file beside the cache) under a name that holds
     everything of the cache key. Without `resume` an earlier study of that name is deleted
-    first; with it, the study's finished points are never proposed again. `worker` and
-    `is_live` share the study with other workers (see search.Search). The seeds, tried first in
+    first; with it, the study's finished points are never proposed again. `worker`,
+    `is_live` and `reaps` share the study with other workers (see search.Search). The seeds, tried first in
     this order: the default, with `warm_start` the cache's knowledge (warm_start_points), then the
     family's own seeds, each point once.
     Raises ValueError when there is no valid point (for a replay: none recorded is still valid)."""
@@ -252,7 +252,8 @@ def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cach
     warm = warm_start_points(family, problem, device, cache) if warm_start else []
     return Search(space_of(family), valid, seeds=seed_order(family.default_params(problem, target), warm,
                                                              family.seed_params(problem, target)),
-                  seed=seed, storage=storage, study_name=name, worker=worker, is_live=is_live)
+                  seed=seed, storage=storage, study_name=name, worker=worker, is_live=is_live,
+                  reaps=reaps)
 
 
 def seed_order(default: Mapping[str, ParamValue], warm: Sequence[Mapping[str, ParamValue]],

@@ -132,6 +132,22 @@ def test_two_workers_claiming_one_generation_at_once_get_it_once(tmp_path):
             board.leave()
 
 
+def test_a_worker_that_joined_after_the_last_read_of_the_board_is_live(tmp_path):
+    """A worker's view of who is alive is cached for lease_s / 8; one that started since (a slow
+    start on a loaded host) is absent from it, and its first claim must not be reaped as dead's."""
+    reader, late = Board(journal(tmp_path), lease_s=30), Board(journal(tmp_path), lease_s=30)
+    reader.join()
+    try:
+        assert not reader.live("nobody")  # the view is read now, and kept
+        late.join()
+        assert reader.live(late.worker)
+        late.leave()
+        assert reader.live(late.worker), "a known worker is judged from the kept view until it ages"
+    finally:
+        reader.leave()
+        late.leave()
+
+
 # --- the shared study -----------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)  # every worker of every test here searches these points
@@ -142,12 +158,12 @@ def _shared_points() -> tuple[dict, ...]:
     return tuple(space_of(SOFTMAX).valid_points(SOFTMAX.problem_values(problem, Target.for_arch("90")))[:30])
 
 
-def _search(storage, worker, is_live=None):
+def _search(storage, worker, is_live=None, reaps=True):
     from autosoft.families.base import space_of
 
     valid = [dict(p) for p in _shared_points()]
     return Search(space_of(SOFTMAX), valid, seed=0, storage=storage, study_name="shared", worker=worker,
-                  is_live=is_live)
+                  is_live=is_live, reaps=reaps)
 
 
 def test_a_dead_workers_running_trial_is_taken_up_again_exactly_once(tmp_path):
@@ -182,6 +198,62 @@ def test_a_result_cut_by_the_reaper_is_not_a_measurement(tmp_path):
     assert all(t is not None for p, t, s in c.finished() if s == "ok")
     assert b.tell(retry.params, 2.0, "ok")
     assert [(t, s) for p, t, s in c.finished() if p == taken.params] == [(2.0, "ok")]
+
+
+def test_a_claim_between_a_reap_and_its_retry_does_not_take_the_reaped_place(tmp_path):
+    """Budget 3: a dies holding one point, w measured two. b reaps a's trial; before b claims
+    its retry, c sees two points measured and one reaped. The reaped place is b's while b lives
+    (c takes none: the study ends at 3 points, not 4); once b is dead too, it is free again."""
+    a = _search(journal(tmp_path), "a", is_live=lambda w: True)
+    taken = a.ask()
+    w = _search(journal(tmp_path), "w", is_live=lambda w: True)
+    for _ in range(2):
+        p = w.ask()
+        assert w.tell(p.params, 1.0, "ok")
+    b = _search(journal(tmp_path), "b", is_live=lambda w: w != "a")  # reads the study: reaps a's trial
+    assert b.reaped == 1
+    c = _search(journal(tmp_path), "c", is_live=lambda w: w != "a")
+    assert c.ask(budget=3) is None
+    retry = b.ask(budget=3)
+    assert retry.params == taken.params and retry.retry_of is not None
+    d = _search(journal(tmp_path), "d", is_live=lambda w: w != "a")
+    assert d.spent() == 3, "b's retry, running, holds the place"
+    assert b.tell(retry.params, 2.0, "ok")
+    assert d.ask(budget=3) is None and d.ask(budget=4) is not None
+
+
+def test_a_reaped_place_whose_reaper_died_is_free(tmp_path):
+    a = _search(journal(tmp_path), "a", is_live=lambda w: True)
+    a.ask()
+    b = _search(journal(tmp_path), "b", is_live=lambda w: w != "a")  # reaps, then dies before its retry
+    assert b.reaped == 1
+    c = _search(journal(tmp_path), "c", is_live=lambda w: w not in ("a", "b"))
+    assert c.ask(budget=1) is not None
+
+
+def test_a_helper_never_reaps_the_owner_does(tmp_path):
+    """Only a problem's owner takes up dead workers' trials, and re-runs each before anything
+    else; a helper that reaped and then found nothing to do would leave a point without its retry."""
+    a = _search(journal(tmp_path), "a", is_live=lambda w: True)
+    taken = a.ask()
+    helper = _search(journal(tmp_path), "h", is_live=lambda w: w != "a", reaps=False)
+    assert helper.reaped == 0 and helper.spent() == 1, "the dead worker's trial still holds its place"
+    assert helper.ask().params != taken.params
+    owner = _search(journal(tmp_path), "o", is_live=lambda w: w != "a")
+    assert owner.reaped == 1 and owner.ask().params == taken.params
+
+
+def test_a_reaped_default_measured_again_is_its_retry(tmp_path):
+    """A new owner measures the default through claim(), not ask(): that claim is the reaped
+    trial's retry, and says so (a killed owner's default was once measured again unmarked)."""
+    a = _search(journal(tmp_path), "a", is_live=lambda w: True)
+    default = dict(a._valid[0])
+    a.claim(default)
+    owner = _search(journal(tmp_path), "o", is_live=lambda w: w != "a")
+    owner.claim(default)
+    trials = owner._storage.get_all_trials(owner._study_id)
+    assert [t.user_attrs.get("retry_of") for t in trials] == [None, trials[0].number]
+    assert owner.ask().params != default, "the retry is not proposed again"
 
 
 def test_two_workers_claiming_one_point_at_once_keep_it_once(tmp_path):
