@@ -29,6 +29,7 @@ from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..operators import OperatorCall, TorchOperator
 from . import register
 from ._attention_backward_mma import MmaBackwardEngine
+from ._attention_backward_wgmma import WgmmaBackwardEngine
 from .attention import AttentionFamily, _kv, call_options, check_scale, key_bounds, reference
 from .base import Call, Problem, ProblemOption, Target
 
@@ -70,7 +71,8 @@ class AttentionBackwardFamily(AttentionFamily):
                 ("2,4,200,64", "float16", {"kv_len": 500, "window_left": 64, "window_right": 32, "softcap": 20.0}))
 
     def __init__(self) -> None:
-        self.engines = (MmaBackwardEngine(self),)
+        # the wgmma kernel first: where it offers a default (sm_90, D 64 or 128) it is the faster
+        self.engines = (WgmmaBackwardEngine(self), MmaBackwardEngine(self))
 
     # --- problem ------------------------------------------------------------------------
 

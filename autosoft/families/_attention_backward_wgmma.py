@@ -1,0 +1,76 @@
+"""The attention_backward family's wgmma engine (sm_90a): FlashAttention-3's backward, consumer
+warpgroups of 64 keys fed by a TMA producer warpgroup
+(templates/attention_backward/attention_backward_wgmma.cu.j2, search_spaces/attention_backward_wgmma.yaml).
+
+The row pass and the dQ conversion are the mma engine's (templates/attention_backward/rows.cuh.j2).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..space import ParamValue
+from ._attention_backward_mma import ROW_THREADS
+from .base import Engine, Family, Launch, Problem, Target, TensorMap
+
+
+class WgmmaBackwardEngine(Engine):
+    name = "wgmma"
+    template = "attention_backward/attention_backward_wgmma.cu.j2"
+    archs = ("90",)
+
+    def __init__(self, family: Family) -> None:
+        super().__init__(family, "attention_backward_wgmma")
+
+    def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
+        p = params
+        return (self.family.name_prefix(problem) + f"_wgmma_n{p['block_n']}_s{p['stages']}"
+                + ("_ordered" if p["dq_add"] == "ordered" else ""))
+
+    def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
+        return {**values, **self.family.kernel_args(problem), "engine": self.name}  # type: ignore[attr-defined]
+
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        """The row pass, the main kernel (a producer and block_n / 64 consumer warpgroups; q, k, v
+        and do through tensor maps), the dQ conversion; the workspace as the mma engine's."""
+        b, h, n, d = problem.shape
+        kv_heads, kv_len = self.family.kv(problem)  # type: ignore[attr-defined]
+        block_n = int(values["block_n"])
+        rows = b * h * n
+        turns = b * h * -(-n // 64)
+        workspace = 4 * (rows * d + 2 * rows + turns)
+        row_blocks = max(1, min(-(-rows // (ROW_THREADS // 32)), 16 * target.sm_count))
+        lse_args: tuple[str, ...] = ("lse", "dlse") if "lse_grad" in problem.flags else ("lse",)
+        prep = Launch("attention_bwd_prep", (row_blocks, 1, 1), (ROW_THREADS, 1, 1), 0,
+                      ("o", "do", *lse_args, "workspace", np.int64(rows), np.int32(turns)))
+        maps = (TensorMap("q", (b, h, n, d), (1, 1, 64, 64), problem.dtype),
+                TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
+                TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
+                TensorMap("do", (b, h, n, d), (1, 1, 64, 64), problem.dtype, always_contiguous=True))
+        main = Launch("attention_bwd", (-(-kv_len // block_n), kv_heads, b), (128 * (block_n // 64 + 1), 1, 1),
+                      values["smem_bytes"], (*maps, "dk", "dv", "scale", np.int32(h), np.int32(b), "workspace"))
+        chunks = rows * d // 8
+        convert = Launch("attention_bwd_dq", (max(1, min(-(-chunks // ROW_THREADS), 16 * target.sm_count)), 1, 1),
+                         (ROW_THREADS, 1, 1), 0, ("dq", "workspace", np.int64(rows)))
+        return (prep, main, convert), workspace
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
+        """Two consumers (128 keys) and two Q/dO stages, as FlashAttention-3 takes for D 64 and 128;
+        one consumer where 128 keys are more than twice the keys there are. None where no point
+        is valid (the mma engine's default then)."""
+        ordered = "ordered" if "deterministic" in problem.flags else "atomic"
+        for p in ({"block_n": 128, "stages": 2, "dq_add": ordered}, {"block_n": 64, "stages": 2, "dq_add": ordered},
+                  {"block_n": 64, "stages": 1, "dq_add": ordered}):
+            if self.is_valid(problem, target, p):
+                return p
+        return None
+
+    def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
+        """Its default (where the family's is another engine's), then the other tile and stage counts."""
+        own = self.default_params(problem, target)
+        if own is None:
+            return []
+        changes = ({"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
+        neighbours = self.valid_neighbours(problem, target, own, changes)
+        return neighbours if default.get("engine") == self.name else [own, *neighbours]
