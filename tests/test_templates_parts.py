@@ -147,10 +147,18 @@ def _recorded_loads(points) -> dict[str, set[str]]:
     for family, problem, target, params in points:
         assert template_root(family) is None
         loaded.clear()
-        source = recorder.get_template(family.template).render(**_render_args(family, problem, params, target))
+        source = recorder.get_template(_template_of(family, params)).render(**_render_args(family, problem, params, target))
         assert source == build_variant(family, problem, params, target).source
         reads.setdefault(family.template, set()).update(loaded)
     return reads
+
+
+def _template_of(family, params) -> str:
+    """The template build_variant renders a point with: its engine's (a family with engines whose
+    kernels have templates of their own, as attention_backward's), else the family's."""
+    from autosoft.families.base import engine_of, space_of
+
+    return engine_of(family, space_of(family).check_values(params))[0].template
 
 
 def _render_args(family, problem, params, target) -> dict[str, Any]:
@@ -382,7 +390,7 @@ def test_a_comment_edit_keeps_every_digest_and_every_render(tmp_path, strategy_p
         assert (template_digest(family.template, str(copy), family.template_folders)
                 == template_digest(family.template, None, family.template_folders)), family.name
     for family, problem, target, params in strategy_points:
-        source = render(family.template, _render_args(family, problem, params, target), str(copy))
+        source = render(_template_of(family, params), _render_args(family, problem, params, target), str(copy))
         assert source == build_variant(family, problem, params, target).source
 
 
@@ -401,7 +409,7 @@ def test_a_comment_that_strips_text_changes_the_digest_and_the_render(tmp_path, 
     assert (template_digest(family.template, str(copy), family.template_folders)
             != template_digest(family.template, None, family.template_folders))
     family, problem, target, params = next(p for p in strategy_points if p[0] is family)
-    source = render(family.template, _render_args(family, problem, params, target), str(copy))
+    source = render(_template_of(family, params), _render_args(family, problem, params, target), str(copy))
     assert source != build_variant(family, problem, params, target).source
 
 
