@@ -527,6 +527,20 @@ def test_two_key_tiles_without_a_mask_keep_the_wgmma_pipelined(dtype):
     assert "(n_tiles));" not in longer.source
 
 
+def test_a_wgmma_entry_tuned_before_lazy_rescaling_builds_the_kernel_it_timed():
+    """Entries stored before `rescale` existed hold no value of it: they render the eager kernel,
+    byte for byte; the lazy one skips a warp's rescale of O unless one of its rows moved its max."""
+    target = Target.for_arch("90")
+    problem = FAMILY.problem("2,8,1000,128", "bfloat16", ("causal",))
+    eager = FAMILY.default_params(problem, target)
+    assert eager["engine"] == "wgmma" and eager["rescale"] == "eager"
+    stored = {n: v for n, v in eager.items() if n != "rescale"}
+    assert build_variant(FAMILY, problem, stored, target).source == build_variant(FAMILY, problem, eager, target).source
+    lazy = build_variant(FAMILY, problem, {**eager, "rescale": "lazy"}, target)
+    assert lazy.name.endswith("_lazy") and "__any_sync" in lazy.source and "RESCALE_LOG2" in lazy.source
+    assert "__any_sync" not in build_variant(FAMILY, problem, eager, target).source
+
+
 def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_decoding():
     sm90, sm80 = Target.for_arch("90"), Target.for_arch("80")
     prefill = FAMILY.problem("4,16,4096,128", "bfloat16", ("causal",))

@@ -12,9 +12,9 @@ from ..dtypes import ITEMSIZE
 from ..space import ParamValue
 from .base import Engine, Family, Launch, Problem, Target, TensorMap
 
-# every schedule off: where a point of this engine starts from
+# every schedule off, O rescaled at every new max: where a point of this engine starts from
 _PLAIN: dict[str, ParamValue] = {"overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
-                                 "persistent": False, "queue": False, "chain": False}
+                                 "persistent": False, "queue": False, "chain": False, "rescale": "eager"}
 
 
 def swizzle_bytes(head_dim: int) -> int:
@@ -64,7 +64,7 @@ class WgmmaEngine(Engine):
                 + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else "")
                 + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else "")
                 + ("_pers" if p.get("persistent") else "") + ("_queue" if p.get("queue") else "")
-                + ("_chain" if p.get("chain") else ""))
+                + ("_chain" if p.get("chain") else "") + ("_lazy" if p.get("rescale") == "lazy" else ""))
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, **self.family.kernel_args(problem), "engine": self.name,
@@ -168,8 +168,8 @@ class WgmmaEngine(Engine):
         D = 256, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
         persistent blocks taking tiles from a queue, longest first across heads (chained or not) or
         not, then one block per tile with and without that order; else persistent (chained or not)
-        or not. The first tile under every schedule comes first, then every other tile under the
-        first schedule, then the rest (two stages before three), the serial schedule last: a short
+        or not. The first tile under every schedule comes first, then its first two schedules with
+        lazy rescaling, then every other tile under the first schedule, then the rest (two stages before three), the serial schedule last: a short
         tune sees each tile and each schedule. The space drops what does not fit."""
         fixed = {**_PLAIN, "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
@@ -192,9 +192,11 @@ class WgmmaEngine(Engine):
             return {**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": stages,
                     **schedule}
 
-        # the first tile under every schedule, every other tile under the first schedule, the rest
-        # (a point already listed is dropped by valid_neighbours)
-        points = [point(tiles[0], sch, 2) for sch in schedules] + [point(t, schedules[0], 2) for t in tiles[1:]]
+        # the first tile under every schedule, then with lazy rescaling, every other tile under the
+        # first schedule, the rest (a point already listed is dropped by valid_neighbours)
+        points = [point(tiles[0], sch, 2) for sch in schedules]
+        points += [{**p, "rescale": "lazy"} for p in points[:2]]
+        points += [point(t, schedules[0], 2) for t in tiles[1:]]
         points += [point(t, sch, st) for st in (2, 3) for t in tiles for sch in schedules]
         points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
                    for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile
