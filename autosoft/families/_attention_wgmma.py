@@ -165,7 +165,7 @@ class WgmmaEngine(Engine):
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
         """Hopper variants worth measuring, the likeliest first. Tile shapes: its default's first,
         then FlashAttention-3's (128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64 keys for
-        D = 256, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
+        D = 256, 144 keys for D = 96, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
         persistent blocks taking tiles from a queue, longest first across heads (chained or not) or
         not, then one block per tile with and without that order; else persistent (chained or not)
         or not. The first tile under every schedule comes first, then its first two schedules with
@@ -174,7 +174,7 @@ class WgmmaEngine(Engine):
         fixed = {**_PLAIN, "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
         tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
-                 (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
+                 (128, 80, True, 1), (128, 176, True, 1), (128, 144, True, 1), (128, 64, True, 1), (128, 128, False, 1),
                  (192, 80, False, 1), (128, 192, True, 1)]
         own = self.default_params(problem, target)
         if own is not None:
