@@ -56,7 +56,7 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
     for tmap in dict.fromkeys(maps):
         lines.append(f"  tensor_map({tmap.array}): a CUtensorMap (cuTensorMapEncodeTiled) over {tmap.array}, "
                      f"{tmap.dtype} of shape {tmap.shape} (outermost first) with its strides, box {tmap.box}, "
-                     "128-byte swizzle, zero fill past the edges; passed by value")
+                     f"{tmap.swizzle_bytes}-byte swizzle, zero fill past the edges; passed by value")
     if variant.workspace_bytes:
         lines.append(f"workspace: {variant.workspace_bytes} bytes of device memory, zeroed once before the "
                      "first launch and kept for later launches (the kernels' comments say what it holds)")
@@ -237,11 +237,12 @@ _TENSOR_MAP_HELPER = [
     "#include <cstring>",
     "// a tiled TMA descriptor: dims and box innermost first, strides (of every dim but the first) in bytes",
     "static cudaError_t autosoft_tensor_map(void* map, const void* base, CUtensorMapDataType type, cuuint32_t rank,",
-    "                                       const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {",
+    "                                       const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,",
+    "                                       CUtensorMapSwizzle swizzle) {",
     "  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};",
     "  CUtensorMap encoded;",
     "  CUresult r = cuTensorMapEncodeTiled(&encoded, type, rank, const_cast<void*>(base), dims, strides, box, ones,",
-    "                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,",
+    "                                      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,",
     "                                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);",
     "  if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;  // an address or stride not a multiple of 16 bytes",
     "  std::memcpy(map, &encoded, 128);",
@@ -249,6 +250,7 @@ _TENSOR_MAP_HELPER = [
     "}",
 ]
 _TMA_TYPES = {"float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16", "bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"}
+_TMA_SWIZZLES = {32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 
 
 def _encode_map(tmap: TensorMap, check: str) -> list[str]:
@@ -266,7 +268,8 @@ def _encode_map(tmap: TensorMap, check: str) -> list[str]:
         f"    const cuuint64_t dims[{rank}] = {{{', '.join(f'{n}ull' for n in reversed(tmap.shape))}}};",
         f"    const cuuint64_t strides[{rank - 1}] = {{{', '.join(strides)}}};",
         f"    const cuuint32_t box[{rank}] = {{{', '.join(f'{n}u' for n in reversed(tmap.box))}}};",
-        f"    err = autosoft_tensor_map(&map_{tmap.array}, {tmap.array}, {_TMA_TYPES[tmap.dtype]}, {rank}, dims, strides, box);",
+        f"    err = autosoft_tensor_map(&map_{tmap.array}, {tmap.array}, {_TMA_TYPES[tmap.dtype]}, {rank}, dims, strides, box,",
+        f"                              {_TMA_SWIZZLES[tmap.swizzle_bytes]});",
         f"    {check}",
         "  }",
     ]

@@ -496,7 +496,7 @@ def _ctype_of(value: Any) -> Any:
 _TENSOR_MAP_BYTES = 128
 _MAPS_KEPT = 256  # encoded tensor maps a loaded variant keeps (a map is tied to one array address)
 _TMA_DTYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
-_SWIZZLE_128B = 3
+_SWIZZLES = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_32B, _64B, _128B by the span in bytes
 _L2_PROMOTION_128B = 2
 
 
@@ -522,7 +522,7 @@ def encode_tensor_map(tmap: TensorMap, pointer: int, strides: tuple[int, ...] | 
     at = (ctypes.addressof(out) + 127) & ~127
     result = _libcuda_driver.cu().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _TMA_DTYPES[tmap.dtype], rank,
                                                ctypes.c_void_p(pointer), dims, byte_strides, box, ones, 0,
-                                               _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
+                                               _SWIZZLES[tmap.swizzle_bytes], _L2_PROMOTION_128B, 0)
     if result != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled refused the map of {tmap.array} (shape {shape}, strides {steps}, "
                            f"address {pointer:#x}): CUresult {result}")

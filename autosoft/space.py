@@ -75,9 +75,12 @@ def compile_expression(text: str, where: str) -> Expression:
 
 @dataclass(frozen=True)
 class Parameter:
+    """A tuned choice. `since`: for a parameter added after points were stored without it (tuned
+    cache entries), the value those points had, which check_values gives them; None: required."""
     name: str
     values: tuple[ParamValue, ...]
     doc: str
+    since: ParamValue | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class SearchSpace:
         values that compare equal to a declared value pass, and the declared value is returned,
         so no foreign object or text ever reaches the renderer.
         """
+        older = {p.name: p.since for p in self.parameters if p.name not in params and p.since is not None}
+        params = {**params, **older}
         missing = [n for n in self.names if n not in params]
         if missing:
             raise UserError(f"{self.family}: missing parameter(s) {', '.join(missing)}")
@@ -229,7 +234,8 @@ class EngineSpaces:
     def parameters(self) -> tuple[Parameter, ...]:
         """The engine, then each engine's parameters, their doc saying whose they are."""
         return (self.parameter("engine"),) + tuple(
-            Parameter(p.name, p.values, f"({engine}) {p.doc}".strip()) for engine, s in self.spaces for p in s.parameters)
+            Parameter(p.name, p.values, f"({engine}) {p.doc}".strip(), p.since)
+            for engine, s in self.spaces for p in s.parameters)
 
     @property
     def constraints(self) -> tuple[Constraint, ...]:
@@ -321,7 +327,10 @@ def _parameters(data: dict, where: str) -> list[Parameter]:
                 raise UserError(f"{where}: parameter {name!r} has a value of unsupported type: {v!r}")
             if isinstance(v, str) and not v.isidentifier():
                 raise UserError(f"{where}: parameter {name!r} value {v!r} must be an identifier")
-        params.append(Parameter(str(name), tuple(spec["values"]), str(spec.get("doc", ""))))
+        since = spec.get("since")
+        if since is not None and not any(type(since) is type(v) and since == v for v in spec["values"]):
+            raise UserError(f"{where}: parameter {name!r}: since={since!r} is not one of its values")
+        params.append(Parameter(str(name), tuple(spec["values"]), str(spec.get("doc", "")), since))
     return params
 
 
@@ -341,7 +350,7 @@ def _build(data: dict, where: str, bases: tuple[SearchSpace, ...], digest: str) 
         derived.update(dict(base.derived))
         constraints += base.constraints
     for p in _parameters(data, where):
-        params[p.name] = Parameter(p.name, p.values, p.doc or (params[p.name].doc if p.name in params else ""))
+        params[p.name] = Parameter(p.name, p.values, p.doc or (params[p.name].doc if p.name in params else ""), p.since)
     fixed = data.get("fixed") or {}
     if not isinstance(fixed, dict):
         raise UserError(f"{where}: 'fixed' must map parameters to one value each")

@@ -179,14 +179,15 @@ def test_wgmma_pairs_are_the_hopper_default_and_never_take_the_fused_pass():
     assert (default["engine"], default["colsum"]) == ("wgmma", "key_major")
     assert _mma_default(problem, TARGET)["engine"] == "mma"
     assert any(p["engine"] == "mma" for p in FAMILY.seed_params(problem, TARGET)), "the mma pairs stay seeds"
-    assert FAMILY.default_params(_problem("1,4,4096,32", 2048), TARGET)["engine"] == "mma", "no wgmma for D = 32"
+    assert FAMILY.default_params(_problem("1,4,4096,32", 2048), TARGET)["engine"] == "wgmma", "64-byte chunks at D = 32"
     sm80 = Target.for_arch("80")
     assert FAMILY.default_params(problem, sm80)["engine"] == "mma"
     assert all(p["engine"] == "mma" for p in space_of(FAMILY).valid_points(FAMILY.problem_values(problem, sm80)))
 
 
 @pytest.mark.parametrize("shape, split, flags", [("1,8,3333,128", 3269, {"causal": True}), ("1,4,4096,64", 2048, {}),
-                                                 ("2,3,777,64", 700, {"causal": True, "deterministic": True})])
+                                                 ("2,3,777,64", 700, {"causal": True, "deterministic": True}),
+                                                 ("1,4,1000,32", 500, {})])
 def test_wgmma_pairs_compile_for_sm90a(shape, split, flags):
     from autosoft.compile import ARCH_SPECIFIC, compile_source
 

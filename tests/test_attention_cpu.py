@@ -53,7 +53,7 @@ def test_shape_forms(text):
     ("a,b,c,d", "B,H,N,D"),
     ("1,32,-5,64", "B,H,N,D"),
     ("0,32,8192,64", "at least 1"),
-    ("1,32,8192,80", "head dim"),
+    ("1,32,8192,72", "head dim"),
     ("1,32,8192,512", "head dim"),
     ("70000,1,16,64", "at most 65535"),
 ])
@@ -102,7 +102,7 @@ def test_space_defaults_and_constraints(shape, dtype, flags, arch):
     for p in valid:
         v = space.evaluate(p, _values(problem, arch))
         if v["engine"] == "wgmma":  # one consumer warpgroup per 64 rows, a register budget each
-            assert arch == "90" and v["block_m"] in (64, 128, 192) and v["D"] in (64, 128, 256)
+            assert arch == "90" and v["block_m"] in (64, 128, 192) and v["D"] % 16 == 0
             assert v["wgmma_regs"] <= (240 if v["block_m"] <= 128 else 160)
         else:
             assert v["block_m"] * v["key_warps"] in (16 * v["warps"], 32 * v["warps"])
@@ -527,6 +527,20 @@ def test_two_key_tiles_without_a_mask_keep_the_wgmma_pipelined(dtype):
     assert "(n_tiles));" not in longer.source
 
 
+def test_a_wgmma_entry_tuned_before_lazy_rescaling_builds_the_kernel_it_timed():
+    """Entries stored before `rescale` existed hold no value of it: they render the eager kernel,
+    byte for byte; the lazy one skips a warp's rescale of O unless one of its rows moved its max."""
+    target = Target.for_arch("90")
+    problem = FAMILY.problem("2,8,1000,128", "bfloat16", ("causal",))
+    eager = FAMILY.default_params(problem, target)
+    assert eager["engine"] == "wgmma" and eager["rescale"] == "eager"
+    stored = {n: v for n, v in eager.items() if n != "rescale"}
+    assert build_variant(FAMILY, problem, stored, target).source == build_variant(FAMILY, problem, eager, target).source
+    lazy = build_variant(FAMILY, problem, {**eager, "rescale": "lazy"}, target)
+    assert lazy.name.endswith("_lazy") and "__any_sync" in lazy.source and "RESCALE_LOG2" in lazy.source
+    assert "__any_sync" not in build_variant(FAMILY, problem, eager, target).source
+
+
 def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_decoding():
     sm90, sm80 = Target.for_arch("90"), Target.for_arch("80")
     prefill = FAMILY.problem("4,16,4096,128", "bfloat16", ("causal",))
@@ -535,8 +549,9 @@ def test_wgmma_is_the_hopper_default_for_prefill_and_never_for_other_gpus_or_dec
     assert all(p["engine"] == "mma" for p in FAMILY.seed_params(prefill, sm80))
     decode = FAMILY.problem("1,32,1,128", "bfloat16", {"kv_heads": 8, "kv_len": 32768})
     assert FAMILY.default_params(decode, sm90)["engine"] == "mma"
-    d96 = FAMILY.problem("1,8,4096,96", "bfloat16")
-    assert FAMILY.default_params(d96, sm90)["engine"] == "mma"  # no 64-column boxes for D = 96
+    for d in (32, 80, 96, 192):  # rows of 64- or 32-byte chunks, or three 128-byte ones
+        other = FAMILY.problem(f"1,8,4096,{d}", "bfloat16")
+        assert FAMILY.default_params(other, sm90)["engine"] == "wgmma", d
     seeds = FAMILY.seed_params(prefill, sm90)
     assert _mma_default(prefill, sm90) in seeds and FAMILY.default_params(prefill, sm90) not in seeds
 
@@ -619,6 +634,18 @@ def test_tensor_maps_are_encoded_innermost_first_with_byte_strides(monkeypatch):
     assert call["dims"] == [128, 1000, 16, 2] and call["box"] == [64, 128, 1, 1] and call["ones"] == [1, 1, 1, 1]
     assert call["strides"] == [16 * 128 * 2, 128 * 2, 1000 * 16 * 128 * 2], "N, H, B strides in bytes"
     assert call["modes"] == (0, 3, 2, 0), "no interleave, 128-byte swizzle, 128-byte L2 promotion, zero fill"
+
+
+def test_a_box_row_narrower_than_128_bytes_takes_its_own_swizzle(monkeypatch):
+    """D = 96 tiles are rows of three 64-byte chunks (D = 80 would be 32-byte ones): the map's
+    swizzle is its box row's width, the layout the kernel's descriptors read."""
+    from autosoft import runtime
+
+    fake = _FakeEncoder()
+    monkeypatch.setattr(runtime._libcuda_driver, "cu", lambda: fake)
+    for cols, code in ((32, 2), (16, 1), (64, 3)):
+        runtime.encode_tensor_map(TensorMap("q", (1, 2, 100, 96 if cols != 16 else 80), (1, 1, 64, cols), "float16"), 4096)
+    assert [c["modes"][1] for c in fake.calls] == [2, 1, 3], "CU_TENSOR_MAP_SWIZZLE_64B, _32B, _128B"
 
 
 def test_a_dimension_of_one_takes_a_contiguous_stride_and_none_means_contiguous(monkeypatch):

@@ -19,9 +19,10 @@ pytestmark = pytest.mark.gpu
 
 FAMILY = get_family("attention")
 
-# (B, H, N, D): a single query, tails of every tile size, several tiles, head dims 32/64/128
+# (B, H, N, D): a single query, tails of every tile size, several tiles, every head dim (on
+# sm_90 the wgmma kernel's 64-byte chunks at 32 and 96, 32-byte ones at 80, three 128-byte at 192)
 SHAPES = [(1, 1, 1, 64), (2, 3, 17, 64), (1, 4, 1000, 128), (1, 2, 3333, 64), (2, 2, 1000, 32),
-          (1, 2, 256, 128), (1, 1, 4097, 128)]
+          (1, 2, 256, 128), (1, 1, 4097, 128), (1, 3, 999, 96), (1, 3, 999, 80), (1, 2, 1000, 192)]
 
 
 def _target():
@@ -77,13 +78,13 @@ def _cubin_among(variant, shapes) -> bytes:
 
 
 DTYPES = ["float16", "bfloat16"]
-FILL_SHAPES = [(4, 32, 2048, 64), (4, 32, 2048, 128)]
-SDPA_SHAPES = [(2, 4, 1000, 64), (1, 8, 777, 128), (3, 2, 64, 32)]
+FILL_SHAPES = [(4, 32, 2048, 64), (4, 32, 2048, 96), (4, 32, 2048, 128)]
+SDPA_SHAPES = [(2, 4, 1000, 64), (1, 8, 777, 128), (3, 2, 64, 32), (1, 4, 500, 96)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_default_fills_the_gpu_and_is_correct(d, dtype, causal):
     """B*H = 128 heads of 2048 queries: thousands of blocks, every SM busy, causal tiles of every length."""
     variant = _default((4, 32, 2048, d), dtype, causal)
@@ -157,6 +158,32 @@ def test_chained_tiles_are_right_launch_after_launch(shape, options):
         for seed in (4, 5):
             wrong = verify(FAMILY, loaded, seed=seed)
             assert not wrong, f"{variant.name}, launch {seed}: {wrong}"
+
+
+@pytest.mark.parametrize("d", [96, 128])
+def test_lazy_rescaling_follows_a_max_that_rises_every_key_tile(d):
+    """Keys whose scores climb by about 20 every 128 keys: each key tile moves every row's max
+    past the lazy threshold, the path random inputs seldom take. Eager and lazy variants of the
+    default both match the reference."""
+    import cupy as cp
+
+    from autosoft.dtypes import to_storage
+
+    problem = FAMILY.problem(f"1,2,1000,{d}", "bfloat16")
+    default = FAMILY.default_params(problem, _target())
+    if default["engine"] != "wgmma":
+        pytest.skip("lazy rescaling is the wgmma kernel's (sm_90)")
+    rng = np.random.default_rng(4)
+    q = np.abs(rng.standard_normal((1, 2, 1000, d), dtype=np.float32))
+    k = rng.standard_normal((1, 2, 1000, d), dtype=np.float32) + np.linspace(0.0, 20.0, 1000, dtype=np.float32)[:, None]
+    v = rng.standard_normal((1, 2, 1000, d), dtype=np.float32)
+    inputs = {"q": to_storage(q, "bfloat16", cp), "k": to_storage(k, "bfloat16", cp), "v": to_storage(v, "bfloat16", cp),
+              "scale": np.float32(1.0 / math.sqrt(d))}
+    variants = [build_variant(FAMILY, problem, {**default, "rescale": r}, _target()) for r in ("eager", "lazy")]
+    for loaded in loaded_variants(variants):
+        outputs = allocate_outputs(FAMILY, loaded.variant, cp)
+        loaded.launch({**inputs, **outputs})
+        assert FAMILY.check(problem, inputs, outputs, cp) is None, loaded.variant.name
 
 
 def test_scale_is_a_runtime_argument():

@@ -93,6 +93,8 @@ def _key(params: dict, names) -> tuple:
     ("family: x\nparameters:\n  a: {values: [1]}\nconstraints:\n  - why: no require\n", "require"),
     ("family: x\nparameters:\n  a: {values: [1]}\nconstraints:\n  - require: 'a >'\n", "cannot parse"),
     ("family: x\nparameters:\n  a: {values: [1]}\nderived:\n  b: 'a +* 2'\n", "cannot parse"),
+    ("family: x\nparameters:\n  a: {values: [eager, lazy], since: soon}\n", "since='soon' is not one of"),
+    ("family: x\nparameters:\n  a: {values: [1, 2], since: '1'}\n", "since='1' is not one of"),
 ])
 def test_parse_space_rejects(text, fragment):
     with pytest.raises(UserError) as info:
@@ -246,6 +248,17 @@ def test_check_values_rejects_unknown_and_missing_names():
         space.check_values(params)
     with pytest.raises(UserError):
         space.check_values({})
+
+
+def test_a_point_stored_before_a_parameter_existed_takes_its_since_value():
+    """A tuned entry stored before `rescale` was added holds no value of it: it builds as the
+    kernel it was (since: eager), while a parameter without `since` stays required."""
+    space = parse_space("family: x\nparameters:\n  a: {values: [1, 2]}\n"
+                        "  rescale: {values: [eager, lazy], since: eager}\n", "x.yaml")
+    assert space.check_values({"a": 2}) == {"a": 2, "rescale": "eager"}
+    assert space.check_values({"a": 2, "rescale": "lazy"}) == {"a": 2, "rescale": "lazy"}
+    with pytest.raises(UserError, match="missing parameter.*a"):
+        space.check_values({"rescale": "lazy"})
 
 
 @pytest.mark.parametrize("name, text, expected", [

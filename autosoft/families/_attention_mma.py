@@ -16,6 +16,12 @@ from .base import Engine, Family, Launch, Problem, Target
 SPLITS_MAX = 32
 
 
+def _layout(head_dim: int) -> str:
+    """Swizzled rows where a row is a power-of-two number of 16-byte chunks, padded rows else."""
+    chunks = head_dim // 8
+    return "swizzle" if chunks & (chunks - 1) == 0 else "pad"
+
+
 class MmaEngine(Engine):
     name = "mma"
     template = "attention/attention.cu.j2"
@@ -99,7 +105,7 @@ class MmaEngine(Engine):
             rows = group * n
             block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
             p: dict[str, ParamValue] = {**self.adds, "block_m": block_m, "block_n": 64, "warps": 4,
-                                        "key_warps": 64 // block_m, "stages": 3, "layout": "swizzle" if d != 96 else "pad",
+                                        "key_warps": 64 // block_m, "stages": 3, "layout": _layout(d),
                                         "q_in": "registers" if d <= 128 else "smem", "pack": group > 1, "splits": 1,
                                         "merge": "last_block"}
             # split the keys while the blocks still fit one per SM: on an H200 (132 SMs, bf16,
@@ -110,7 +116,7 @@ class MmaEngine(Engine):
                     self.is_valid(problem, target, self._point({**p, "splits": 2 * int(p["splits"])})):
                 p["splits"] = 2 * int(p["splits"])
             return self._first_valid(problem, target, p)
-        p = {**self.adds, "block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "layout": "swizzle" if d != 96 else "pad",
+        p = {**self.adds, "block_m": 128, "block_n": 64, "warps": 4, "stages": 2, "layout": _layout(d),
              "q_in": q_in, "pack": False, "splits": 1, "key_warps": 1, "merge": "last_block"}
         if -(-n // 128) * b * h < target.sm_count:
             p.update(block_m=64)

@@ -12,9 +12,20 @@ from ..dtypes import ITEMSIZE
 from ..space import ParamValue
 from .base import Engine, Family, Launch, Problem, Target, TensorMap
 
-# every schedule off: where a point of this engine starts from
+# every schedule off, O rescaled at every new max: where a point of this engine starts from
 _PLAIN: dict[str, ParamValue] = {"overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
-                                 "persistent": False, "queue": False, "chain": False}
+                                 "persistent": False, "queue": False, "chain": False, "rescale": "eager"}
+
+
+def swizzle_bytes(head_dim: int) -> int:
+    """The bytes of a row chunk in the kernel's shared-memory tiles: the widest swizzle span
+    (128, 64 or 32 bytes of 2-byte elements) that divides a row of head_dim columns, so that a
+    row is whole chunks, each one TMA box wide (D = 96: three 64-byte chunks; D = 80: five
+    32-byte ones)."""
+    for span in (128, 64, 32):
+        if head_dim * 2 % span == 0:
+            return span
+    raise ValueError(f"head dim {head_dim}: not a multiple of 16 columns")
 
 
 def fast_divisor(d: int) -> tuple[np.uint32, np.int32]:
@@ -53,12 +64,12 @@ class WgmmaEngine(Engine):
                 + ("_ov" if p.get("overlap") else "") + ("_pp" if p.get("pingpong") else "")
                 + ("_2cta" if int(p.get("blocks_per_sm", 1)) == 2 else "") + ("_lpt" if p.get("lpt") else "")
                 + ("_pers" if p.get("persistent") else "") + ("_queue" if p.get("queue") else "")
-                + ("_chain" if p.get("chain") else ""))
+                + ("_chain" if p.get("chain") else "") + ("_lazy" if p.get("rescale") == "lazy" else ""))
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, **self.family.kernel_args(problem), "engine": self.name,
                 **{n: type(v)(values[n]) for n, v in _PLAIN.items()}, "lpt_heads": self._lpt_heads(problem, values),
-                "single_length": False, "mma_helpers": False}
+                "single_length": False, "mma_helpers": False, "swizzle": swizzle_bytes(problem.shape[3])}
 
     def _lpt_heads(self, problem: Problem, values: Mapping[str, Any]) -> int:
         """(batch, head) pairs whose K and V fit in half the L2 (at least one): the group the
@@ -74,11 +85,12 @@ class WgmmaEngine(Engine):
         kv_heads, kv_len = self.family.kv(problem)
         block_m, block_n = int(values["block_m"]), int(values["block_n"])
         queue = bool(values["queue"])  # a workspace: the tile counter and the blocks done (the last resets both)
-        maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, 64), problem.dtype),
-                TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
-                TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
+        cols = swizzle_bytes(d) // 2  # a box is one chunk of the tiles' rows
+        maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, cols), problem.dtype),
+                TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, cols), problem.dtype),
+                TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, cols), problem.dtype),
                 # with a queue each consumer's 64 rows of O are stored by the tensor-memory accelerator
-                *((TensorMap("o", (b, h, n, d), (1, 1, 64, 64), problem.dtype, always_contiguous=True),) if queue else ()))
+                *((TensorMap("o", (b, h, n, d), (1, 1, 64, cols), problem.dtype, always_contiguous=True),) if queue else ()))
         tiles = -(-n // block_m) * h * b
         grid = (min(tiles, target.sm_count * int(values["blocks_per_sm"])), 1, 1) \
             if values["persistent"] else (-(-n // block_m), h, b)
@@ -99,9 +111,9 @@ class WgmmaEngine(Engine):
         return {**{n: v for n, v in self.adds.items() if n in names}, **{n: v for n, v in p.items() if n in names}}
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
-        """With D of 64, 128 or 256 and enough rows for a 128-row tile: two consumer warpgroups of
-        64 rows, both FlashAttention-3 schedules (overlap, ping-pong), 128-key tiles (80 for D =
-        256, where shared memory is short), two stages; for D = 64 three consumers (192 rows)
+        """With any head dim the family takes and enough rows for a 128-row tile: two consumer
+        warpgroups of 64 rows, both FlashAttention-3 schedules (overlap, ping-pong), 128-key tiles
+        (80 for D = 192 and 256, where shared memory is short), two stages; for D = 64 three consumers (192 rows)
         without ping-pong, and up to 1024 queries one consumer of 64 rows in blocks two of which
         share an SM (16x16x512x64 and 4x16x1024x64: 7 to 19 % faster).
         Without a mask the blocks are persistent (at D = 256 one block per tile: two Q buffers do
@@ -123,7 +135,7 @@ class WgmmaEngine(Engine):
         # unequal length the static share of tiles per block loses as much
         base: dict[str, ParamValue] = {**self.adds, **_PLAIN, "overlap": True,
                                        "persistent": "causal" not in problem.flags, "stages": 2,
-                                       "block_n": 80 if d == 256 else 128}
+                                       "block_n": 80 if d >= 192 else 128}
         if d == 64 and n <= 1024:  # short rows: two one-consumer blocks per SM hide each other's prologues
             short = {"block_m": 64, "pingpong": False, "blocks_per_sm": 2, "lpt": False}
             if "causal" in problem.flags and "queue" in self.space.names:
@@ -153,16 +165,16 @@ class WgmmaEngine(Engine):
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
         """Hopper variants worth measuring, the likeliest first. Tile shapes: its default's first,
         then FlashAttention-3's (128 x 128 with ping-pong, 192 rows for D = 64, 80 or 64 keys for
-        D = 256, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
+        D = 256, 144 keys for D = 96, two one-consumer blocks per SM for short rows). Schedules of blocks: causal,
         persistent blocks taking tiles from a queue, longest first across heads (chained or not) or
         not, then one block per tile with and without that order; else persistent (chained or not)
-        or not. The first tile under every schedule comes first, then every other tile under the
-        first schedule, then the rest (two stages before three), the serial schedule last: a short
+        or not. The first tile under every schedule comes first, then its first two schedules with
+        lazy rescaling, then every other tile under the first schedule, then the rest (two stages before three), the serial schedule last: a short
         tune sees each tile and each schedule. The space drops what does not fit."""
         fixed = {**_PLAIN, "overlap": True}
         # (block_m, block_n, pingpong, blocks_per_sm)
         tiles = [(128, 128, True, 1), (192, 128, False, 1), (64, 128, False, 2), (64, 64, False, 2),
-                 (128, 80, True, 1), (128, 176, True, 1), (128, 64, True, 1), (128, 128, False, 1),
+                 (128, 80, True, 1), (128, 176, True, 1), (128, 144, True, 1), (128, 64, True, 1), (128, 128, False, 1),
                  (192, 80, False, 1), (128, 192, True, 1)]
         own = self.default_params(problem, target)
         if own is not None:
@@ -180,9 +192,11 @@ class WgmmaEngine(Engine):
             return {**fixed, "block_m": m, "block_n": n, "pingpong": pp, "blocks_per_sm": bps, "stages": stages,
                     **schedule}
 
-        # the first tile under every schedule, every other tile under the first schedule, the rest
-        # (a point already listed is dropped by valid_neighbours)
-        points = [point(tiles[0], sch, 2) for sch in schedules] + [point(t, schedules[0], 2) for t in tiles[1:]]
+        # the first tile under every schedule, then with lazy rescaling, every other tile under the
+        # first schedule, the rest (a point already listed is dropped by valid_neighbours)
+        points = [point(tiles[0], sch, 2) for sch in schedules]
+        points += [{**p, "rescale": "lazy"} for p in points[:2]]
+        points += [point(t, schedules[0], 2) for t in tiles[1:]]
         points += [point(t, sch, st) for st in (2, 3) for t in tiles for sch in schedules]
         points += [{**fixed, "block_m": 128, "block_n": n, "pingpong": False, "overlap": False, "stages": 2}
                    for n in (128, 64, 80)]  # serial: S, softmax, P.V per tile

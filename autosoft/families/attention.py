@@ -45,7 +45,7 @@ from .base import Family, OptionValue, Problem, ProblemOption, Target, option_fl
 _SHAPE = re.compile(r"^\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*[,xX]\s*(\d+)\s*$")
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
 _MMA_TYPE = {"float16": "f16", "bfloat16": "bf16"}
-HEAD_DIMS = (32, 64, 96, 128, 256)
+HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
 # ||o - ref|| / ||ref|| over the whole output; a single row may be off by ROW_FACTOR times more.

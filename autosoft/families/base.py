@@ -132,9 +132,10 @@ class TensorMap:
     `const __grid_constant__` parameter) over one input or output, which the runtime encodes at
     launch from the array's address and strides (its `<array>_stride<i>` arguments, else
     contiguous): a tiled map of `shape` (outermost first, the last dimension contiguous) moving
-    boxes of `box` (outermost first) with 128-byte swizzle; a box loaded past an edge is filled
-    with zeros, and a box stored past one writes nothing there.
-    box[-1] * itemsize must be 128 (one swizzled row) and every other stride a multiple of 16 bytes.
+    boxes of `box` (outermost first), each box row swizzled across its own width; a box loaded
+    past an edge is filled with zeros, and a box stored past one writes nothing there.
+    box[-1] * itemsize (a box row, the swizzle's span) must be 128, 64 or 32 bytes, and every
+    other stride a multiple of 16 bytes.
     always_contiguous: the array is laid out contiguously whatever the call (an output the family
     allocates): it has no stride arguments."""
     array: str
@@ -142,6 +143,13 @@ class TensorMap:
     box: tuple[int, ...]
     dtype: str
     always_contiguous: bool = False
+
+    @property
+    def swizzle_bytes(self) -> int:
+        """The span of the swizzle: one box row, 128, 64 or 32 bytes (the layout wgmma reads)."""
+        from ..dtypes import ITEMSIZE
+
+        return self.box[-1] * ITEMSIZE[self.dtype]
 
     @property
     def stride_names(self) -> tuple[str, ...]:
