@@ -91,6 +91,10 @@ _EVERY_FUNCTION = textwrap.dedent("""
     hidden = torch.randn(16, 64, device=dev, dtype=torch.bfloat16)
     weight = torch.randn(1000, 64, device=dev, dtype=torch.bfloat16)
     router = torch.randn(33, 160, device=dev)
+    k_cache, v_cache = (torch.randn(9, 16, 2, 64, device=dev, dtype=torch.float16) for _ in range(2))
+    table = torch.arange(8, device=dev, dtype=torch.int32).reshape(2, 4)
+    lengths = torch.tensor([5, 40], device=dev, dtype=torch.int32)
+    q_decode = torch.randn(2, 1, 4, 64, device=dev, dtype=torch.float16)
     o, lse = autosoft.attention(q, k, v, causal=True, return_lse=True)
     calls = {
         "softmax": lambda: autosoft.softmax(x),
@@ -98,6 +102,7 @@ _EVERY_FUNCTION = textwrap.dedent("""
         "attention": lambda: autosoft.attention(q, k, v, causal=True, return_lse=True),
         "attention_colsum": lambda: autosoft.attention_colsum(q, k, v, 50),
         "attention_backward": lambda: autosoft.attention_backward(q, k, v, o, torch.randn_like(o), lse, causal=True),
+        "attention_kvcache": lambda: autosoft.attention_kvcache(q_decode, k_cache, v_cache, lengths, table),
         "topk_softmax": lambda: autosoft.topk_softmax(router, 6),
         "cross_entropy": lambda: autosoft.cross_entropy(logits, target),
         "linear_cross_entropy": lambda: autosoft.linear_cross_entropy(hidden, weight, target),

@@ -221,7 +221,8 @@ class AttentionFamily(Family):
                 "group": h // kv_heads, "strided": bool(self.strided_inputs),
                 "window_left": -1 if window_left is None else int(window_left),
                 "window_right": -1 if window_right is None else int(window_right),
-                "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None}
+                "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None,
+                "runtime_keys": False, "paged": False}
 
     # --- what it costs ------------------------------------------------------------------
 
