@@ -95,6 +95,8 @@ _EVERY_FUNCTION = textwrap.dedent("""
     table = torch.arange(8, device=dev, dtype=torch.int32).reshape(2, 4)
     lengths = torch.tensor([5, 40], device=dev, dtype=torch.int32)
     q_decode = torch.randn(2, 1, 4, 64, device=dev, dtype=torch.float16)
+    packed = torch.randn(30, 2, 64, device=dev, dtype=torch.float16)
+    offsets = torch.tensor([0, 10, 30], device=dev, dtype=torch.int32)
     o, lse = autosoft.attention(q, k, v, causal=True, return_lse=True)
     calls = {
         "softmax": lambda: autosoft.softmax(x),
@@ -103,6 +105,7 @@ _EVERY_FUNCTION = textwrap.dedent("""
         "attention_colsum": lambda: autosoft.attention_colsum(q, k, v, 50),
         "attention_backward": lambda: autosoft.attention_backward(q, k, v, o, torch.randn_like(o), lse, causal=True),
         "attention_kvcache": lambda: autosoft.attention_kvcache(q_decode, k_cache, v_cache, lengths, table),
+        "attention_varlen": lambda: autosoft.attention_varlen(packed, packed, packed, offsets, offsets, 20, 20),
         "topk_softmax": lambda: autosoft.topk_softmax(router, 6),
         "cross_entropy": lambda: autosoft.cross_entropy(logits, target),
         "linear_cross_entropy": lambda: autosoft.linear_cross_entropy(hidden, weight, target),

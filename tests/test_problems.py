@@ -106,7 +106,7 @@ def test_duplicates_are_dropped_in_order_of_appearance(tmp_path):
     ("softmax:\n  - 8x8\n", "softmax item 1", "expected a mapping of shape, dtype, log, not a text"),
     ("softmax:\n  - shape: 8x8\n  -\n", "softmax item 2", "not nothing"),
     ("softmax:\n  shape: 8x8\n", "softmax", "expected a list of items"),
-    ("softmx:\n  - shape: 8x8\n", "unknown family 'softmx'", "attention, attention_backward, attention_colsum, cross_entropy, softmax"),
+    ("softmx:\n  - shape: 8x8\n", "unknown family 'softmx'", "attention, attention_backward, attention_colsum, attention_kvcache, attention_varlen, cross_entropy, softmax"),
     ("- shape: 8x8\n", "not a problems file", "not a list"),
     ("just some text\n", "not a problems file", "not a text"),
     ("softmax: [\n", "not YAML", "line 2"),

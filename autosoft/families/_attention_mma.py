@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from ..space import ParamValue
 from .base import Engine, Family, Launch, Problem, Target
 
-SPLITS_MAX = 32
+SPLITS_MAX = 32  # the most blocks sharing a query tile's keys in attention_mma.yaml
 
 
 def _layout(head_dim: int) -> str:
@@ -24,6 +24,7 @@ def _layout(head_dim: int) -> str:
 
 class MmaEngine(Engine):
     name = "mma"
+    splits_max = SPLITS_MAX  # the most split keys its space offers (a space that offers more raises it)
     template = "attention/attention.cu.j2"
 
     def __init__(self, family: Family, space: str = "attention_mma", adds: Mapping[str, ParamValue] | None = None):
@@ -112,7 +113,7 @@ class MmaEngine(Engine):
             # Hq32/Hkv8 D128 decode, at 3d851aa) B1 took 12.4 us at 16 splits against 12.7 at 32,
             # and B16 65.9 us unsplit against 67.5 at 2 splits
             blocks = kv_heads * b
-            while blocks * 2 * int(p["splits"]) <= target.sm_count and int(p["splits"]) < SPLITS_MAX and \
+            while blocks * 2 * int(p["splits"]) <= target.sm_count and int(p["splits"]) < self.splits_max and \
                     self.is_valid(problem, target, self._point({**p, "splits": 2 * int(p["splits"])})):
                 p["splits"] = 2 * int(p["splits"])
             return self._first_valid(problem, target, p)
@@ -161,8 +162,8 @@ class MmaEngine(Engine):
             {"block_m": 128, "warps": 8, "block_n": 128, "stages": 3, "q_in": "registers"},  # 16 rows per warp
             {"block_n": 32, "stages": 3},
         ) + (({"stages": 4},  # B1 decode, 32768 keys: 38.1 us against 38.6 at 3 stages (H200, 3d851aa)
-               {"splits": min(SPLITS_MAX, 2 * splits)}, {"splits": max(1, splits // 2)},
-               {"splits": min(SPLITS_MAX, 4 * splits)},
+               {"splits": min(self.splits_max, 2 * splits)}, {"splits": max(1, splits // 2)},
+               {"splits": min(self.splits_max, 4 * splits)},
                # no cluster merge among them: on an H200 it lost to the last block's merge at every
                # split count the tuner tried (bf16 B1 Hq32/Hkv8 D128 decode, 4096 keys: 15.0 against
                # 13.2 us at 16 splits; 32768 keys: 44.7 against 39.3 us; B16: 7-22 % slower)

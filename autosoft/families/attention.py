@@ -222,7 +222,7 @@ class AttentionFamily(Family):
                 "window_left": -1 if window_left is None else int(window_left),
                 "window_right": -1 if window_right is None else int(window_right),
                 "softcap": "0.0" if softcap is None else repr(float(softcap)), "capped": softcap is not None,
-                "runtime_keys": False, "paged": False}
+                "runtime_keys": False, "paged": False, "runtime_queries": False}
 
     # --- what it costs ------------------------------------------------------------------
 

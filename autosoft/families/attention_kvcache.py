@@ -42,6 +42,7 @@ class KVCacheMma(MmaEngine):
     and block table as arguments, and with new tokens the append launched first."""
 
     template = "attention_kvcache/attention_kvcache.cu.j2"
+    splits_max = 128  # one sequence with few KV heads: enough blocks for every SM
 
     def __init__(self, family: Family) -> None:
         super().__init__(family, "attention_kvcache_mma")
@@ -76,6 +77,7 @@ class AttentionKVCacheFamily(AttentionFamily):
     """o and lse of a few queries per sequence over a (paged) KV cache, new tokens appended first."""
     name = "attention_kvcache"
     template = "attention_kvcache/attention_kvcache.cu.j2"
+    splits_max = 128  # one sequence with few KV heads: enough blocks for every SM
     template_folders = ("attention",)  # the attention kernel it extends
     inputs = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k_new", "v_new", "scale")
     optional_inputs = ("block_table", "k_new", "v_new")  # given or not, page_size and new_len say
