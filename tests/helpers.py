@@ -114,6 +114,24 @@ def sample_points(family: Any, problem: Any, target: Any, k: int, seed: int,
     return sample_points(family, problem, target, k, seed, seeds)
 
 
+def wrong_samples(family: Any, problems: Sequence[Any], seed: int, seeds: int = 6, k: int = 2) -> list[str]:
+    """Every problem's default, its first `seeds` seeds and k random points, compiled together
+    and each verified on the GPU: the failures, one line each (none: all correct)."""
+    from autosoft.evaluate import verify
+    from autosoft.families.base import build_variant
+    from autosoft.runtime import device_info
+
+    target = device_info().target
+    variants = [build_variant(family, problem, params, target) for i, problem in enumerate(problems)
+                for params in sample_points(family, problem, target, k, seed=i, seeds=seeds)]
+    failures = []
+    for loaded in loaded_variants(variants):
+        wrong = verify(family, loaded, seed=seed)
+        if wrong:
+            failures.append(f"{loaded.variant.name} {loaded.variant.problem.shape_text}: {wrong}")
+    return failures
+
+
 def _drop_permission_override() -> None:
     """In a child about to exec: take CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH out of its bounding
     set, so that the program it runs as root still meets file permissions (a read-only folder)."""

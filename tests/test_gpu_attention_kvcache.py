@@ -7,10 +7,8 @@ import math
 
 import pytest
 
-from autosoft.evaluate import verify
 from autosoft.families import get_family
-from autosoft.families.base import build_variant
-from helpers import loaded_variants, sample_points
+from helpers import wrong_samples
 
 pytestmark = pytest.mark.gpu
 
@@ -26,23 +24,9 @@ PROBLEMS = [
 ]
 
 
-def _target():
-    from autosoft.runtime import device_info
-
-    return device_info().target
-
-
 def test_sampled_variants_of_every_bucket_are_correct():
     """The default, its first six seeds (split counts, packing, key warps) and two random points."""
-    target = _target()
-    problems = [FAMILY.problem(*case) for case in (*FAMILY.examples, *PROBLEMS)]
-    variants = [build_variant(FAMILY, p, params, target)
-                for i, p in enumerate(problems) for params in sample_points(FAMILY, p, target, 2, seed=i, seeds=6)]
-    failures = []
-    for loaded in loaded_variants(variants):
-        wrong = verify(FAMILY, loaded, seed=3)
-        if wrong:
-            failures.append(f"{loaded.variant.name} {loaded.variant.problem.shape_text}: {wrong}")
+    failures = wrong_samples(FAMILY, [FAMILY.problem(*case) for case in (*FAMILY.examples, *PROBLEMS)], seed=3)
     assert not failures, "\n".join(failures)
 
 

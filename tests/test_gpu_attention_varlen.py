@@ -6,10 +6,8 @@ import math
 
 import pytest
 
-from autosoft.evaluate import verify
 from autosoft.families import get_family
-from autosoft.families.base import build_variant
-from helpers import loaded_variants, sample_points
+from helpers import wrong_samples
 
 pytestmark = pytest.mark.gpu
 
@@ -24,22 +22,8 @@ PROBLEMS = [
 ]
 
 
-def _target():
-    from autosoft.runtime import device_info
-
-    return device_info().target
-
-
 def test_sampled_variants_of_every_bucket_are_correct():
-    target = _target()
-    problems = [FAMILY.problem(*case) for case in (*FAMILY.examples, *PROBLEMS)]
-    variants = [build_variant(FAMILY, p, params, target)
-                for i, p in enumerate(problems) for params in sample_points(FAMILY, p, target, 2, seed=i, seeds=6)]
-    failures = []
-    for loaded in loaded_variants(variants):
-        wrong = verify(FAMILY, loaded, seed=9)
-        if wrong:
-            failures.append(f"{loaded.variant.name} {loaded.variant.problem.shape_text}: {wrong}")
+    failures = wrong_samples(FAMILY, [FAMILY.problem(*case) for case in (*FAMILY.examples, *PROBLEMS)], seed=9)
     assert not failures, "\n".join(failures)
 
 
