@@ -2,6 +2,9 @@
 problems, search space and kernels (rendered and compiled), the Python function's errors."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -106,3 +109,21 @@ def test_function_refuses_mismatched_arrays_before_any_gpu_work():
         autosoft.attention_backward(q, q, q, q, q, lse, window=5)
     with pytest.raises(ValueError, match="scale"):
         autosoft.attention_backward(q, q, q, q, q, lse, scale=-1.0)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("shape, options, block_n", [("4,16,4096,128", {}, 128), ("4,16,4096,128", {}, 64),
+                                                      ("2,16,8192,64", {"causal": True}, 128)])
+def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n):
+    """Two consumers at D = 128 hold dK and dV of their keys in registers (D floats a thread):
+    anything else held for a whole step (each query's lse and Delta once did) spills."""
+    problem = FAMILY.problem(shape, "bfloat16", options)
+    params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": "atomic"}
+    variant = build_variant(FAMILY, problem, params, Target.for_arch("90"))
+    path = tmp_path / "k.cu"
+    path.write_text(variant.source)
+    result = subprocess.run([shutil.which("nvcc"), "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "k.cubin"), str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "attention_bwd" in result.stderr
+    assert "bytes spill stores" not in result.stderr.replace(" 0 bytes spill stores", ""), result.stderr[-2000:]
