@@ -20,13 +20,13 @@ import importlib
 import inspect
 import math
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 
 from .arrays import call_along, call_family
+from .autograd import through_operator
 from .dispatch import DISPATCHER
 from .errors import UserError
 from .families import get_family
@@ -68,7 +68,7 @@ def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     operator torch.ops.autosoft.softmax, whose backward is the tuned softmax_backward family; so
     does any call while torch.compile traces, which then sees one operator (autosoft.torch_ops).
     """
-    if _through_operator(x):
+    if through_operator(x):
         return _operator_call("softmax", x, dim, out)
     if type(dim) is int and dim == -1:
         return call_family("softmax", (x,), out=out)[0]
@@ -88,25 +88,11 @@ def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     """log(softmax(x)) over dimension `dim`, computed as x - max - log(sum(e^(x - max))): the
     softmax family's log variant, tuned as its own problems (`autosoft tune softmax --log`). The
     arrays, `dim` and `out` as for autosoft.softmax."""
-    if _through_operator(x):
+    if through_operator(x):
         return _operator_call("log_softmax", x, dim, out)
     if type(dim) is int and dim == -1:
         return call_family("softmax", (x,), options=LOG, out=out, who="autosoft.log_softmax")[0]
     return call_along("softmax", x, dim, out, LOG, "log_softmax")
-
-
-def _through_operator(*arrays: Any) -> bool:
-    """Whether a call on these arrays must go through autosoft's torch operator: the first is a
-    torch tensor and torch.compile traces, or autograd records one that requires gradients."""
-    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
-    if torch is None or not arrays or not isinstance(arrays[0], torch.Tensor):
-        return False
-    if torch.compiler.is_compiling():
-        return True
-    for array in arrays:
-        if isinstance(array, torch.Tensor) and array.requires_grad:
-            return torch.is_grad_enabled()
-    return False
 
 
 def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:
@@ -192,7 +178,7 @@ def attention(q: Any, k: Any, v: Any, causal: bool = False, scale: float | None 
     head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
     scale = check_scale(scale, head_dim, "autosoft.attention")
     options = call_options(causal, window, softcap)
-    if _through_operator(q, k, v):  # autograd records it, or torch.compile sees one operator
+    if through_operator(q, k, v):  # autograd records it, or torch.compile sees one operator
         from . import torch_ops
 
         o, lse = torch_ops.attention(q, k, v, bool(causal), scale, options.get("window_left"),
@@ -267,7 +253,7 @@ def family_function(name: str) -> Callable[..., Any]:
     @functools.wraps(python_call)
     def function(*args: Any, **kwargs: Any) -> Any:
         call = python_call(*args, **kwargs)
-        if traced and _through_operator(*call.arrays):
+        if traced and through_operator(*call.arrays):
             from . import torch_ops
 
             produced = torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)

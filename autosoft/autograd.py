@@ -11,7 +11,21 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["refuse_gradients", "no_backward_error"]
+__all__ = ["refuse_gradients", "no_backward_error", "through_operator"]
+
+
+def through_operator(*arrays: Any) -> bool:
+    """Whether a call on these arrays must go through autosoft's torch operator: the first is a
+    torch tensor and torch.compile traces, or autograd records one that requires gradients."""
+    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
+    if torch is None or not arrays or not isinstance(arrays[0], torch.Tensor):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    for array in arrays:
+        if isinstance(array, torch.Tensor) and array.requires_grad:
+            return torch.is_grad_enabled()
+    return False
 
 
 def refuse_gradients(who: str, *arrays: Any) -> None:

@@ -44,7 +44,7 @@ always redispatches. Under torch.inference_mode() the dispatcher skips the Autog
 calls the real one.
 
 The public functions go through these operators when they must (autograd records a tensor that
-requires gradients, or torch.compile traces: api._through_operator). Otherwise they take the plan
+requires gradients, or torch.compile traces: autograd.through_operator). Otherwise they take the plan
 path directly, which has no dispatcher in between. `autosoft` itself never imports torch, so a
 CuPy user never loads it; importing this module registers the operators (`register()`), and
 `autosoft.native` adds compiled Autograd kernels for the operators it names where it was built.

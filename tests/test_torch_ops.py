@@ -284,6 +284,16 @@ def test_fake_attention_colsum_gives_o_colsum_and_lse(split):
     assert (lse.shape, lse.dtype) == ((1, 4, 77), F32)
 
 
+def test_fake_attention_varlen_gives_o_like_packed_q_and_token_major_lse():
+    q = torch.empty(30, 8, 128, device="meta", dtype=BF16)
+    kv = torch.empty(50, 2, 128, device="meta", dtype=BF16)
+    offsets = torch.empty(4, device="meta", dtype=torch.int32)
+    o, lse = ops.attention_varlen(q, kv, kv, offsets, offsets, 16, 24, True, 0.1)
+    assert o.shape == q.shape and o.dtype == BF16 and lse.shape == (30, 8) and lse.dtype == F32
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k"):
+        ops.attention_varlen(q, kv, kv, offsets, offsets[:3], 16, 24, True, 0.1)
+
+
 def test_empty_inputs_give_empty_outputs_as_the_real_path_does():
     with FakeTensorMode():
         q = fake_cuda(0, 2, 8, 48, dtype=F16)  # an empty call skips the head-dim check, as arrays._prepare does
@@ -497,7 +507,12 @@ def test_opcheck_on_meta_tensors(name):
             "attention_backward": (meta, meta, meta, meta, meta, meta[..., 0].float(), None, True, 0.125),
             "topk_softmax": (rows, torch.empty(33, device="meta"), 1.0, 3, True, 3, 2, True),
             "cross_entropy": (rows, torch.empty(7, device="meta", dtype=torch.int64), torch.empty(1, device="meta"),
-                              -100, 0.1, 0.0)}[name]
+                              -100, 0.1, 0.0),
+            "attention_varlen": (torch.empty(30, 4, 64, device="meta", dtype=F16),
+                                 torch.empty(50, 2, 64, device="meta", dtype=F16),
+                                 torch.empty(50, 2, 64, device="meta", dtype=F16),
+                                 torch.empty(3, device="meta", dtype=torch.int32),
+                                 torch.empty(3, device="meta", dtype=torch.int32), 20, 30, True, 0.125)}[name]
     results = torch.library.opcheck(getattr(ops, name).default, args)
     assert set(results.values()) == {"SUCCESS"}, results
 

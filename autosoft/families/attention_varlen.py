@@ -24,6 +24,7 @@ import numpy as np
 
 from ..dtypes import ITEMSIZE, to_storage
 from ..errors import UserError
+from ..operators import OperatorCall, TorchOperator
 from . import register
 from ._attention_mma import MmaEngine
 from .attention import ATTENTION, AttentionFamily, call_options, check_scale
@@ -202,3 +203,24 @@ __all__ = ["ATTENTION_VARLEN", "AttentionVarlenFamily"]
 
 AttentionVarlenFamily.public_functions = ("autosoft.functions.attention_varlen:attention_varlen",)
 ATTENTION_VARLEN = register(AttentionVarlenFamily())
+
+
+# --- the torch operator (autosoft.torch_ops registers it) ---------------------------------------
+
+def _operator_call(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool, scale: float, window_left: int | None = None,
+                   window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
+    """What autosoft.attention_varlen runs for the same arguments (window=(window_left, window_right))."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    call = ATTENTION_VARLEN.python_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                        scale, window, softcap)
+    return OperatorCall(call.arrays, call.options, call.scalars)
+
+
+AttentionVarlenFamily.torch_operators = (
+    TorchOperator("attention_varlen", "attention_varlen",
+                  "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+                  "int max_seqlen_k, bool causal, float scale, int? window_left=None, int? window_right=None, "
+                  "float? softcap=None) -> (Tensor o, Tensor lse)", _operator_call,
+                  instead="scaled_dot_product_attention, one call per sequence"),
+)

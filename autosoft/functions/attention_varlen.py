@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..autograd import through_operator
 from ..arrays import call_family
 from ..families.attention_varlen import ATTENTION_VARLEN
 
@@ -23,8 +24,16 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     tuned variant, the bucket). Query i of a sequence of Nq queries and Nkv keys stands at key
     i + Nkv - Nq (bottom-right); causal, window and softcap as autosoft.attention's; scale defaults
     to 1/sqrt(D). Returns o (total_q, Hq, D), and with return_lse=True lse (Hq, total_q) float32,
-    a view of the kernel's (total_q, Hq). The offsets are read on the GPU; the host checks shapes."""
+    a view of the kernel's (total_q, Hq). The offsets are read on the GPU; the host checks shapes.
+    While torch.compile traces, the call is the operator torch.ops.autosoft.attention_varlen; it
+    has no backward (tensors that require gradients while autograd records are refused)."""
     call = ATTENTION_VARLEN.python_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        scale, window, softcap, return_lse)
-    o, lse = call_family("attention_varlen", call.arrays, options=call.options, scalars=call.scalars)
+    if through_operator(*call.arrays):  # torch.compile sees one operator; gradients are refused there
+        from .. import torch_ops
+
+        o, lse = torch_ops.call_operator("attention_varlen", ATTENTION_VARLEN.inputs, call.arrays, call.options,
+                                         call.scalars)
+    else:
+        o, lse = call_family("attention_varlen", call.arrays, options=call.options, scalars=call.scalars)
     return (o, lse.T) if return_lse else o
