@@ -60,10 +60,11 @@ def test_the_operators_are_registered_with_their_schemas():
     # the core families' operators as users and compiled graphs see them (each other family's own
     # tests state its schema)
     assert {name: schemas[name] for name in CORE_SCHEMAS} == CORE_SCHEMAS
-    for name in torch_ops.OPS:  # tagged as safe for torch.compile; none mutates its inputs
+    for name in torch_ops.OPS:  # tagged as safe for torch.compile; only the KV cache's are written in place
         overload = getattr(ops, name).default
         assert torch.Tag.pt2_compliant_tag in overload.tags
-        assert not overload._schema.is_mutable
+        written = {a.name for a in overload._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        assert written == ({"k_cache", "v_cache"} if name == "attention_kvcache" else set()), name
         assert getattr(torch_ops, name) is overload
         # the real implementation for every backend, the fake one (also the Meta kernel), and a kernel
         # of autosoft's own for every autograd key (not torch's autograd fallback, which would let
@@ -508,6 +509,13 @@ def test_opcheck_on_meta_tensors(name):
             "topk_softmax": (rows, torch.empty(33, device="meta"), 1.0, 3, True, 3, 2, True),
             "cross_entropy": (rows, torch.empty(7, device="meta", dtype=torch.int64), torch.empty(1, device="meta"),
                               -100, 0.1, 0.0),
+            "attention_kvcache": (torch.empty(2, 1, 8, 64, device="meta", dtype=F16),
+                                  torch.empty(9, 16, 2, 64, device="meta", dtype=F16),
+                                  torch.empty(9, 16, 2, 64, device="meta", dtype=F16),
+                                  torch.empty(2, device="meta", dtype=torch.int32),
+                                  torch.empty(2, 4, device="meta", dtype=torch.int32),
+                                  torch.empty(2, 1, 2, 64, device="meta", dtype=F16),
+                                  torch.empty(2, 1, 2, 64, device="meta", dtype=F16), True, 0.125),
             "attention_varlen": (torch.empty(30, 4, 64, device="meta", dtype=F16),
                                  torch.empty(50, 2, 64, device="meta", dtype=F16),
                                  torch.empty(50, 2, 64, device="meta", dtype=F16),
@@ -785,6 +793,29 @@ def test_compile_fullgraph_traces_the_three_operators_into_one_graph(no_kernels,
         compiled(*model_inputs(n=40, rows=9))  # other sizes: a new graph, or the same symbolic one
     assert op_targets(graphs[0]) == ["autosoft.softmax", "autosoft.attention", "autosoft.attention_colsum"]
     assert len(graphs) == (1 if dynamic else 2)
+    torch._dynamo.reset()
+
+
+def test_a_compiled_decode_step_holds_the_serving_operators(no_kernels):
+    """A serving step under torch.compile(fullgraph=True): the packed prefill and the paged decode
+    are one operator each, the decode's cache writes functionalized into the graph."""
+    torch._dynamo.reset()
+    graphs, backend = record_graphs()
+
+    def step(packed, offsets, q, k_cache, v_cache, lengths, table, k_new, v_new):
+        prefill = autosoft.attention_varlen(packed, packed, packed, offsets, offsets, 16, 16, causal=True)
+        decode = autosoft.attention_kvcache(q, k_cache, v_cache, lengths, table, k_new, v_new)
+        return prefill * 2, decode + 1
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        prefill, decode = compiled(fake_cuda(30, 4, 64, dtype=F16), torch.empty(3, device="cuda", dtype=torch.int32),
+                                   fake_cuda(2, 1, 8, 64, dtype=F16), fake_cuda(9, 16, 2, 64, dtype=F16),
+                                   fake_cuda(9, 16, 2, 64, dtype=F16), torch.empty(2, device="cuda", dtype=torch.int32),
+                                   torch.empty(2, 4, device="cuda", dtype=torch.int32), fake_cuda(2, 1, 2, 64, dtype=F16),
+                                   fake_cuda(2, 1, 2, 64, dtype=F16))
+        assert prefill.shape == (30, 4, 64) and decode.shape == (2, 1, 8, 64)
+    assert op_targets(graphs[0]) == ["autosoft.attention_varlen.default", "autosoft.attention_kvcache.default"]
     torch._dynamo.reset()
 
 

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..dtypes import ITEMSIZE, to_storage
+from ..operators import OperatorCall, TorchOperator
 from ..errors import UserError
 from . import register
 from ._attention_mma import MmaEngine
@@ -350,3 +351,26 @@ __all__ = ["ATTENTION_KVCACHE", "AttentionKVCacheFamily", "PAGE_SIZES"]
 
 AttentionKVCacheFamily.public_functions = ("autosoft.functions.attention_kvcache:attention_kvcache",)
 ATTENTION_KVCACHE = register(AttentionKVCacheFamily())
+
+
+# --- the torch operator (autosoft.torch_ops registers it) ---------------------------------------
+
+def _operator_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any = None, k_new: Any = None,
+                   v_new: Any = None, causal: bool = True, scale: float | None = None, window_left: int | None = None,
+                   window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
+    """What autosoft.attention_kvcache runs for the same arguments (window=(window_left, window_right))."""
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    call = ATTENTION_KVCACHE.python_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale,
+                                         window, softcap)
+    return OperatorCall(call.arrays, call.options, call.scalars)
+
+
+# k_cache and v_cache are written in place (the new tokens appended): declared mutated, so that
+# torch.compile orders the call against other uses of the cache
+AttentionKVCacheFamily.torch_operators = (
+    TorchOperator("attention_kvcache", "attention_kvcache",
+                  "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? block_table=None, "
+                  "Tensor? k_new=None, Tensor? v_new=None, bool causal=True, float? scale=None, int? window_left=None, "
+                  "int? window_right=None, float? softcap=None) -> (Tensor o, Tensor lse)", _operator_call,
+                  instead="scaled_dot_product_attention on the gathered keys"),
+)
