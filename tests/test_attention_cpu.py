@@ -687,3 +687,22 @@ def test_render_with_one_engine_takes_that_engines_default_and_refuses_the_other
         params_from_text(FAMILY, problem, sm90, ["engine=wgmma", "warps=4"])
     with pytest.raises(UserError, match="given twice"):
         params_from_text(FAMILY, problem, sm90, ["stages=2", "stages=3"])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("d", [32, 80, 96, 192])
+def test_wgmma_defaults_of_narrow_and_wide_rows_build_without_spilling(tmp_path, d):
+    """Rows of 64- and 32-byte chunks (D = 32, 96, 80) and three 128-byte ones (192): the defaults,
+    full and causal, compile for sm_90a with nothing spilled."""
+    target = Target.for_arch("90")
+    for options in ({}, {"causal": True}):
+        problem = FAMILY.problem(f"4,16,4096,{d}", "bfloat16", options)
+        params = FAMILY.default_params(problem, target)
+        assert params["engine"] == "wgmma"
+        path = tmp_path / "k.cu"
+        path.write_text(build_variant(FAMILY, problem, params, target).source)
+        result = subprocess.run([shutil.which("nvcc"), "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas",
+                                 "-v", "-o", str(tmp_path / "k.cubin"), str(path)], capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "bytes spill stores" not in result.stderr.replace(" 0 bytes spill stores", ""), (options, result.stderr[-2000:])
