@@ -177,8 +177,8 @@ def test_lazy_rescaling_follows_a_max_that_rises_every_key_tile(d):
     q = np.abs(rng.standard_normal((1, 2, 1000, d), dtype=np.float32))
     k = rng.standard_normal((1, 2, 1000, d), dtype=np.float32) + np.linspace(0.0, 20.0, 1000, dtype=np.float32)[:, None]
     v = rng.standard_normal((1, 2, 1000, d), dtype=np.float32)
-    inputs = {"q": to_storage(q, "bfloat16", cp), "k": to_storage(k, "bfloat16", cp), "v": to_storage(v, "bfloat16", cp),
-              "scale": np.float32(1.0 / math.sqrt(d))}
+    inputs = {name: cp.asarray(to_storage(x, "bfloat16", np)) for name, x in (("q", q), ("k", k), ("v", v))}
+    inputs["scale"] = np.float32(1.0 / math.sqrt(d))
     variants = [build_variant(FAMILY, problem, {**default, "rescale": r}, _target()) for r in ("eager", "lazy")]
     for loaded in loaded_variants(variants):
         outputs = allocate_outputs(FAMILY, loaded.variant, cp)
