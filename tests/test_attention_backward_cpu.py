@@ -112,13 +112,16 @@ def test_function_refuses_mismatched_arrays_before_any_gpu_work():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("shape, options, block_n", [("4,16,4096,128", {}, 128), ("4,16,4096,128", {}, 64),
-                                                      ("2,16,8192,64", {"causal": True}, 128)])
-def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n):
+@pytest.mark.parametrize("shape, options, block_n, dq_add", [
+    ("4,16,4096,128", {}, 128, "atomic"), ("4,16,4096,128", {}, 64, "atomic"), ("2,16,8192,64", {"causal": True}, 128, "atomic"),
+    ("2,16,8192,64", {"causal": True}, 128, "ordered")])
+def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n, dq_add):
     """Two consumers at D = 128 hold dK and dV of their keys in registers (D floats a thread):
-    anything else held for a whole step (each query's lse and Delta once did) spills."""
+    anything else held for a whole step (each query's lse and Delta once did) spills; so does a
+    producer warp that needs more than the 24 registers it keeps."""
     problem = FAMILY.problem(shape, "bfloat16", options)
-    params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": "atomic"}
+    params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": dq_add,
+              "tile_order": "heads" if options.get("causal") else "keys"}
     variant = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     path = tmp_path / "k.cu"
     path.write_text(variant.source)

@@ -26,7 +26,7 @@ class WgmmaBackwardEngine(Engine):
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         return (self.family.name_prefix(problem) + f"_wgmma_n{p['block_n']}_s{p['stages']}"
-                + ("_ordered" if p["dq_add"] == "ordered" else ""))
+                + ("_heads" if p["tile_order"] == "heads" else "") + ("_ordered" if p["dq_add"] == "ordered" else ""))
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, **self.family.kernel_args(problem), "engine": self.name}  # type: ignore[attr-defined]
@@ -57,20 +57,24 @@ class WgmmaBackwardEngine(Engine):
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
         """Two consumers (128 keys) and two Q/dO stages, as FlashAttention-3 takes for D 64 and 128;
-        one consumer where 128 keys are more than twice the keys there are. None where no point
-        is valid (the mma engine's default then)."""
+        one consumer where 128 keys are more than twice the keys there are; key tiles slowest under a
+        causal mask (the heaviest blocks first). None where no point is valid (the mma engine's
+        default then)."""
         ordered = "ordered" if "deterministic" in problem.flags else "atomic"
-        for p in ({"block_n": 128, "stages": 2, "dq_add": ordered}, {"block_n": 64, "stages": 2, "dq_add": ordered},
-                  {"block_n": 64, "stages": 1, "dq_add": ordered}):
+        order = "heads" if "causal" in problem.flags else "keys"
+        for p in ({"block_n": 128, "stages": 2}, {"block_n": 64, "stages": 2}, {"block_n": 64, "stages": 1}):
+            p = {**p, "tile_order": order, "dq_add": ordered}
             if self.is_valid(problem, target, p):
                 return p
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then the other tile and stage counts."""
+        """Its default (where the family's is another engine's), then the other block order and the
+        other tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
-        changes = ({"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
+        other_order = "keys" if own["tile_order"] == "heads" else "heads"
+        changes = ({"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
         neighbours = self.valid_neighbours(problem, target, own, changes)
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
