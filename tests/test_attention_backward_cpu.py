@@ -112,15 +112,15 @@ def test_function_refuses_mismatched_arrays_before_any_gpu_work():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("shape, options, block_n, dq_add", [
-    ("4,16,4096,128", {}, 128, "atomic"), ("4,16,4096,128", {}, 64, "atomic"), ("2,16,8192,64", {"causal": True}, 128, "atomic"),
-    ("2,16,8192,64", {"causal": True}, 128, "ordered")])
-def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n, dq_add):
+@pytest.mark.parametrize("shape, options, block_n, dq_add, ds_buffers", [
+    ("4,16,4096,128", {}, 128, "atomic", 1), ("4,16,4096,128", {}, 128, "atomic", 2), ("4,16,4096,128", {}, 64, "atomic", 1),
+    ("2,16,8192,64", {"causal": True}, 128, "atomic", 2), ("2,16,8192,64", {"causal": True}, 128, "ordered", 1)])
+def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n, dq_add, ds_buffers):
     """Two consumers at D = 128 hold dK and dV of their keys in registers (D floats a thread):
     anything else held for a whole step (each query's lse and Delta once did) spills; so does a
     producer warp that needs more than the 24 registers it keeps."""
     problem = FAMILY.problem(shape, "bfloat16", options)
-    params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": dq_add,
+    params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": dq_add, "ds_buffers": ds_buffers,
               "tile_order": "heads" if options.get("causal") else "keys"}
     variant = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     path = tmp_path / "k.cu"

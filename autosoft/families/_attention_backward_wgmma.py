@@ -26,6 +26,7 @@ class WgmmaBackwardEngine(Engine):
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         return (self.family.name_prefix(problem) + f"_wgmma_n{p['block_n']}_s{p['stages']}"
+                + ("_ds2" if p["ds_buffers"] == 2 else "")
                 + ("_heads" if p["tile_order"] == "heads" else "") + ("_ordered" if p["dq_add"] == "ordered" else ""))
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,18 +64,19 @@ class WgmmaBackwardEngine(Engine):
         ordered = "ordered" if "deterministic" in problem.flags else "atomic"
         order = "heads" if "causal" in problem.flags else "keys"
         for p in ({"block_n": 128, "stages": 2}, {"block_n": 64, "stages": 2}, {"block_n": 64, "stages": 1}):
-            p = {**p, "tile_order": order, "dq_add": ordered}
+            p = {**p, "ds_buffers": 1, "tile_order": order, "dq_add": ordered}
             if self.is_valid(problem, target, p):
                 return p
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then the other block order and the
-        other tile and stage counts."""
+        """Its default (where the family's is another engine's), then two dS^T buffers, the other block
+        order, the other tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
         other_order = "keys" if own["tile_order"] == "heads" else "heads"
-        changes = ({"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
+        changes = ({"ds_buffers": 2}, {"tile_order": other_order}, {"block_n": 64}, {"stages": 1},
+                   {"block_n": 64, "stages": 1})
         neighbours = self.valid_neighbours(problem, target, own, changes)
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
