@@ -57,26 +57,27 @@ class WgmmaBackwardEngine(Engine):
         return (prep, main, convert), workspace
 
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
-        """Two consumers (128 keys) and two Q/dO stages, as FlashAttention-3 takes for D 64 and 128;
-        one consumer where 128 keys are more than twice the keys there are; key tiles slowest under a
-        causal mask (the heaviest blocks first). None where no point is valid (the mma engine's
-        default then)."""
+        """Two consumers (128 keys) and two Q/dO stages, as FlashAttention-3 takes for D 64 and 128,
+        with two dS^T buffers where they fit; one consumer where 128 keys are more than twice the
+        keys there are; key tiles slowest under a causal mask (the heaviest blocks first). None
+        where no point is valid (the mma engine's default then)."""
         ordered = "ordered" if "deterministic" in problem.flags else "atomic"
         order = "heads" if "causal" in problem.flags else "keys"
-        for p in ({"block_n": 128, "stages": 2}, {"block_n": 64, "stages": 2}, {"block_n": 64, "stages": 1}):
-            p = {**p, "ds_buffers": 1, "tile_order": order, "dq_add": ordered}
+        for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
+                  {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
+            p = {**p, "tile_order": order, "dq_add": ordered}
             if self.is_valid(problem, target, p):
                 return p
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then two dS^T buffers, the other block
+        """Its default (where the family's is another engine's), then one dS^T buffer, the other block
         order, the other tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
         other_order = "keys" if own["tile_order"] == "heads" else "heads"
-        changes = ({"ds_buffers": 2}, {"tile_order": other_order}, {"block_n": 64}, {"stages": 1},
+        changes = ({"ds_buffers": 1}, {"tile_order": other_order}, {"block_n": 64}, {"stages": 1},
                    {"block_n": 64, "stages": 1})
         neighbours = self.valid_neighbours(problem, target, own, changes)
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
