@@ -86,7 +86,29 @@ def test_deterministic_problems_take_ordered_adds_only():
     default = FAMILY.default_params(problem, target)
     assert default["dq_add"] == "ordered"
     assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "atomic"})
-    assert all(p["dq_add"] == "ordered" for p in FAMILY.seed_params(problem, target))
+    assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "writer"})
+    seeds = FAMILY.seed_params(problem, target)
+    assert all(p["dq_add"] in ("ordered", "writer_ordered") for p in seeds)
+    assert seeds[0]["dq_add"] == "writer_ordered"
+
+
+@pytest.mark.parametrize("shape, options, dq_add", [
+    ("4,16,4096,128", {}, "writer"), ("2,16,8192,64", {"causal": True}, "writer"),
+    ("2,16,8192,64", {"causal": True, "deterministic": True}, "writer_ordered")])
+def test_the_dq_writer_is_the_first_seed_where_it_fits(shape, options, dq_add):
+    """The writer warp's form of the wgmma default is tried first (it is not the default until it
+    is measured); at D = 128 with two consumers its two dQ tiles leave no room for a second dS^T
+    buffer, so its seed takes one, and the variant is named for it."""
+    target = Target.for_arch("90")
+    problem = FAMILY.problem(shape, "bfloat16", options)
+    default = FAMILY.default_params(problem, target)
+    assert default["engine"] == "wgmma" and default["dq_add"] in ("atomic", "ordered")
+    first = FAMILY.seed_params(problem, target)[0]
+    assert first["dq_add"] == dq_add
+    assert first["ds_buffers"] == (1 if problem.shape[3] == 128 else 2)
+    variant = build_variant(FAMILY, problem, first, target)
+    assert variant.name.endswith("_dqw" + ("_ordered" if dq_add == "writer_ordered" else ""))
+    assert "cp.reduce.async.bulk" in variant.source and "red.global.add" not in variant.source
 
 
 def test_launches_name_dlse_only_with_an_lse_gradient():
@@ -114,11 +136,14 @@ def test_function_refuses_mismatched_arrays_before_any_gpu_work():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("shape, options, block_n, dq_add, ds_buffers", [
     ("4,16,4096,128", {}, 128, "atomic", 1), ("4,16,4096,128", {}, 128, "atomic", 2), ("4,16,4096,128", {}, 64, "atomic", 1),
-    ("2,16,8192,64", {"causal": True}, 128, "atomic", 2), ("2,16,8192,64", {"causal": True}, 128, "ordered", 1)])
+    ("2,16,8192,64", {"causal": True}, 128, "atomic", 2), ("2,16,8192,64", {"causal": True}, 128, "ordered", 1),
+    ("4,16,4096,128", {}, 128, "writer", 1), ("4,16,4096,128", {"deterministic": True}, 64, "writer_ordered", 2),
+    ("2,16,8192,64", {"causal": True}, 128, "writer", 2), ("2,16,8192,64", {"causal": True}, 64, "writer", 2),
+    ("2,16,8192,64", {"causal": True, "deterministic": True}, 128, "writer_ordered", 2)])
 def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n, dq_add, ds_buffers):
     """Two consumers at D = 128 hold dK and dV of their keys in registers (D floats a thread):
     anything else held for a whole step (each query's lse and Delta once did) spills; so does a
-    producer warp that needs more than the 24 registers it keeps."""
+    producer warp that needs more than the 24 registers it keeps (the dQ writer's loop among them)."""
     problem = FAMILY.problem(shape, "bfloat16", options)
     params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": dq_add, "ds_buffers": ds_buffers,
               "tile_order": "heads" if options.get("causal") else "keys"}

@@ -38,6 +38,18 @@ def _problems(dtype: str):
     return out + [FAMILY.problem(shape, dtype, opts) for shape, opts in PROBLEMS]
 
 
+def _with_dq_add(problem, target, params, dq_add: str):
+    """params with dQ added as dq_add (with one dS^T buffer where two leave no room), or None where
+    the engine has no such choice or no form of it is valid."""
+    if params.get("engine") != "wgmma":
+        return None
+    for change in ({"dq_add": dq_add}, {"dq_add": dq_add, "ds_buffers": 1}):
+        candidate = {**params, **change}
+        if FAMILY.is_valid(problem, target, candidate):
+            return candidate
+    return None
+
+
 def _wrong(variants, seed: int) -> list[str]:
     failures = []
     for loaded in loaded_variants(variants):
@@ -50,30 +62,44 @@ def _wrong(variants, seed: int) -> list[str]:
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sampled_variants_are_correct(dtype):
-    """Every problem: the default, its first four seeds, two random points, and an ordered one."""
+    """Every problem: the default, its first four seeds, two random points, an ordered one, and
+    the wgmma engine's dQ writer in both orders."""
     target = _target()
     variants = []
     for i, problem in enumerate(_problems(dtype)):
         points = sample_points(FAMILY, problem, target, 2, seed=31 * i + len(dtype), seeds=4)
-        ordered = {**FAMILY.default_params(problem, target), "dq_add": "ordered"}
+        default = FAMILY.default_params(problem, target)
+        ordered = {**default, "dq_add": "ordered"}
         if FAMILY.is_valid(problem, target, ordered) and ordered not in points:
             points.append(ordered)
+        for dq_add in ("writer", "writer_ordered"):
+            writer = _with_dq_add(problem, target, default, dq_add)
+            if writer is not None and writer not in points:
+                points.append(writer)
         variants += [build_variant(FAMILY, problem, p, target) for p in points]
     failures = _wrong(variants, seed=5)
     assert not failures, "\n".join(failures)
 
 
-def test_ordered_dq_is_the_same_bits_on_every_run():
-    """Causal, grouped heads, many key tiles per query tile: three runs of an ordered variant give
-    one dq bit for bit (and the atomic variant agrees with it to rounding)."""
+@pytest.mark.parametrize("shape, dq_add", [
+    ("2,8,1500,64", "ordered"),
+    ("2,8,1500,64", "writer_ordered"),   # two consumers' dQ tiles over the same elements, one after the other
+    ("1,8,1100,128", "writer_ordered"),  # one dQ tile, its columns split between the consumers
+])
+def test_ordered_dq_is_the_same_bits_on_every_run(shape, dq_add):
+    """Causal, grouped heads, many key tiles per query tile: three runs of an ordered variant (the
+    consumers' adds in turn, or the writer thread's) give one dq bit for bit (and the atomic
+    variant agrees with it to rounding)."""
     import cupy as cp
 
     target = _target()
-    problem = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "kv_heads": 2, "deterministic": True})
-    params = FAMILY.default_params(problem, target)
-    assert params["dq_add"] == "ordered"
-    atomic = {**params, "dq_add": "atomic"}
-    free = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "kv_heads": 2})
+    problem = FAMILY.problem(shape, "bfloat16", {"causal": True, "kv_heads": 2, "deterministic": True})
+    default = FAMILY.default_params(problem, target)
+    assert default["dq_add"] == "ordered"
+    params = _with_dq_add(problem, target, default, dq_add)
+    assert params is not None
+    atomic = {**default, "dq_add": "atomic"}
+    free = FAMILY.problem(shape, "bfloat16", {"causal": True, "kv_heads": 2})
     ordered_v, atomic_v = loaded_variants([build_variant(FAMILY, problem, params, target),
                                            build_variant(FAMILY, free, atomic, target)])
     inputs = FAMILY.make_inputs(problem, "normal", cp, cp.random.default_rng(3))

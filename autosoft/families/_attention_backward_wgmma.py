@@ -15,6 +15,10 @@ from ._attention_backward_mma import ROW_THREADS
 from .base import Engine, Family, Launch, Problem, Target, TensorMap
 
 
+# dq_add in a variant's name: the consumers' atomic adds unnamed, as before the writer warp
+_DQ_ADD_SUFFIX = {"atomic": "", "ordered": "_ordered", "writer": "_dqw", "writer_ordered": "_dqw_ordered"}
+
+
 class WgmmaBackwardEngine(Engine):
     name = "wgmma"
     template = "attention_backward/attention_backward_wgmma.cu.j2"
@@ -27,7 +31,7 @@ class WgmmaBackwardEngine(Engine):
         p = params
         return (self.family.name_prefix(problem) + f"_wgmma_n{p['block_n']}_s{p['stages']}"
                 + ("_ds2" if p["ds_buffers"] == 2 else "")
-                + ("_heads" if p["tile_order"] == "heads" else "") + ("_ordered" if p["dq_add"] == "ordered" else ""))
+                + ("_heads" if p["tile_order"] == "heads" else "") + _DQ_ADD_SUFFIX[str(p["dq_add"])])
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, **self.family.kernel_args(problem), "engine": self.name}  # type: ignore[attr-defined]
@@ -71,13 +75,15 @@ class WgmmaBackwardEngine(Engine):
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then one dS^T buffer, the other block
+        """Its default (where the family's is another engine's), then dQ added by the writer warp (with
+        one dS^T buffer where two leave no room for its tiles), one dS^T buffer, the other block
         order, the other tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
         other_order = "keys" if own["tile_order"] == "heads" else "heads"
-        changes = ({"ds_buffers": 1}, {"tile_order": other_order}, {"block_n": 64}, {"stages": 1},
-                   {"block_n": 64, "stages": 1})
+        writer = "writer_ordered" if own["dq_add"] == "ordered" else "writer"
+        changes = ({"dq_add": writer}, {"dq_add": writer, "ds_buffers": 1}, {"ds_buffers": 1},
+                   {"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
         neighbours = self.valid_neighbours(problem, target, own, changes)
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
