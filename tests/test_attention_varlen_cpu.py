@@ -100,20 +100,24 @@ SM90 = Target.for_arch("90")
 @pytest.mark.parametrize("shape, opts", [
     ("4,8,1000,64", {"kv_heads": 2, "causal": True}), ("4,8,1000,128", {"kv_heads": 2}),
     ("3,16,2048,128", {"kv_heads": 4, "causal": True, "window_left": 100, "softcap": 30.0}),
-    ("3,16,2000,64", {"kv_len": 3000})])
+    ("3,16,2000,64", {"kv_len": 3000}), ("4,8,1000,128", {"causal": True, "persistent": True})])
 def test_the_wgmma_kernel_is_the_sm90_default_and_compiles(shape, opts):
     from autosoft.compile import compile_source
 
+    persistent = opts.pop("persistent", None)
     problem = FAMILY.problem(shape, "bfloat16", opts)
     params = FAMILY.default_params(problem, SM90)
     assert params["engine"] == "wgmma"
+    if persistent is not None:
+        params["persistent"] = persistent
     variant = build_variant(FAMILY, problem, params, SM90)
     # each tile's sequence from the offsets, 3-D boxes at its first token, rows stored per token
-    for line in ("tl.q_first = cu_seqlens_q[tl.b];", "c * 64, tl.hq, tl.q_first + tl.m0);",
-                 "if (first.m0 >= first.nq) return;", "lse[((long long)tl.q_first + qi) * HQ + tl.hq]"):
+    for line in ("tl.q_first = cu_seqlens_q[seq];", "c * 64, tl.hq, tl.q_first + tl.m0);",
+                 "if (tile_first >= tiles_total) return;", "lse[((long long)tl.q_first + qi) * HQ + tl.hq]"):
         assert line in variant.source, line
     (launch,) = variant.launches
-    assert launch.grid == (-(-problem.shape[2] // params["block_m"]), problem.shape[1], problem.shape[0])
+    tiles = (-(-problem.shape[2] // params["block_m"]), problem.shape[1], problem.shape[0])
+    assert launch.grid == ((min(np.prod(tiles), SM90.sm_count), 1, 1) if params["persistent"] else tiles)
     assert launch.args[-2:] == ("cu_seqlens_q", "cu_seqlens_k")
     result = compile_source(variant.source, "90")
     assert result.ok, result.log[:2000]
@@ -123,7 +127,8 @@ def test_the_tuner_tries_both_engines_and_the_mma_kernel_serves_other_gpus():
     problem = FAMILY.problem("4,8,1000,128", "bfloat16", {"kv_heads": 2, "causal": True})
     engines = [p["engine"] for p in FAMILY.seed_params(problem, SM90)]
     assert engines[0] == "wgmma" and "mma" in engines
-    assert not any(p.get("persistent") or p.get("queue") for p in FAMILY.seed_params(problem, SM90))
+    schedules = [p.get("persistent") for p in FAMILY.seed_params(problem, SM90) if p["engine"] == "wgmma"]
+    assert True in schedules and False in schedules, "persistent blocks and one block per tile"
     assert FAMILY.default_params(problem, Target.for_arch("80"))["engine"] == "mma"
 
 

@@ -75,11 +75,13 @@ WGMMA_CASES = [
 
 
 def _wgmma_points(problem, target, count: int):
-    """The default wgmma point and the next `count` wgmma seeds (other tiles and consumers)."""
+    """The default wgmma point, the same under the other schedule (persistent blocks or one per
+    tile), and the first `count` other wgmma seeds (other tiles and consumers)."""
     default = FAMILY.default_params(problem, target)
     assert default["engine"] == "wgmma", default
-    seeds = [p for p in FAMILY.seed_params(problem, target) if p["engine"] == "wgmma"]
-    return [default, *seeds[:count]]
+    other = {**default, "persistent": not default["persistent"]}
+    seeds = [p for p in FAMILY.seed_params(problem, target) if p["engine"] == "wgmma" and p != other]
+    return [default, other, *seeds[:count]]
 
 
 @pytest.mark.parametrize("dtype, d, hq, hkv, keys, opts", WGMMA_CASES)
@@ -106,7 +108,7 @@ def test_wgmma_engine_matches_the_reference_and_writes_only_the_batch_s_rows(dty
               "cu_seqlens_q": cp.asarray(offsets[0]), "cu_seqlens_k": cp.asarray(offsets[1]),
               "scale": np.float32(1 / math.sqrt(d))}
     poison_o = to_storage(np.full((total_q + SPARE, hq, d), np.nan, dtype=np.float32), dtype, cp)
-    for params in _wgmma_points(problem, target, 3):
+    for params in _wgmma_points(problem, target, 2):
         loaded = loaded_variant(FAMILY, problem, params)
         outputs = {"o": poison_o.copy(), "lse": cp.full((total_q + SPARE, hq), cp.nan, dtype=cp.float32)}
         loaded.launch({**inputs, **outputs})

@@ -10,11 +10,12 @@ lse back as FlashAttention's (Hq, total_q) view).
 
 The lengths are read on the GPU from the offsets, so one variant serves every batch whose longest
 sequences fit the problem's bucket: B, the heads, D, max_seqlen_q (the shape's N) and max_seqlen_k
-(kv_len); tuning times every sequence that long. The kernel is the attention family's mma kernel
-with both lengths run-time values of each sequence (`runtime_queries`), one block per query tile of
-the longest sequence (the others' surplus tiles return at once): on sm_90 the wgmma kernel
-(FlashAttention-3's varlen: tensor maps over the packed tokens), else and as the tuner's other
-choice the mma kernel.
+(kv_len); tuning times every sequence that long. Two kernels of the attention family, with both
+lengths run-time values of each sequence (`runtime_queries`): on sm_90 the wgmma kernel
+(FlashAttention-3's varlen: tensor maps over the packed tokens, the query tiles numbered sequence
+after sequence, one block per tile or persistent blocks), elsewhere and as the tuner's other choice
+the mma kernel (one block per query tile of the longest sequence in every sequence, the surplus
+returning at once).
 """
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ def packed_maps(problem: Problem, kv_heads: int, kv_len: int, block_m: int,
 
 
 class VarlenWgmma(WgmmaEngine):
-    """The attention wgmma kernel over packed sequences: tensor maps over the packed tokens, each
-    block's sequence read from the offsets, one block per query tile of the longest sequence (the
-    single schedule: attention_varlen_wgmma.yaml fixes the others off)."""
+    """The attention wgmma kernel over packed sequences: tensor maps over the packed tokens, the
+    tiles numbered sequence after sequence from the offsets (on the GPU); one block per query tile
+    of the longest sequence in every sequence (the surplus returns at once) or persistent blocks
+    (attention_varlen_wgmma.yaml fixes the queue, chain and lpt schedules off)."""
 
     def __init__(self, family: Family) -> None:
         super().__init__(family, "attention_varlen_wgmma")
@@ -81,12 +83,14 @@ class VarlenWgmma(WgmmaEngine):
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         b, h, n, _ = problem.shape
         block_m, block_n = int(values["block_m"]), int(values["block_n"])
-        if values["persistent"] or values["queue"] or values["chain"] or values["lpt"]:
-            raise ValueError(f"{self.family.name}: the wgmma kernel over packed sequences runs one block per tile")
-        args = (*packed_maps(problem, *self.family.kv(problem), block_m, block_n), "o", "lse", "scale", np.int32(h), np.int32(b),
-                "cu_seqlens_q", "cu_seqlens_k")
-        return (Launch("attention_fwd", (-(-n // block_m), h, b), (128 * (block_m // 64 + 1), 1, 1),
-                       values["smem_bytes"], args),), 0
+        if values["queue"] or values["chain"] or values["lpt"]:
+            raise ValueError(f"{self.family.name}: the wgmma kernel over packed sequences takes no queue, chain or lpt")
+        m_blocks = -(-n // block_m)
+        grid = (min(m_blocks * h * b, target.sm_count * int(values["blocks_per_sm"])), 1, 1) \
+            if values["persistent"] else (m_blocks, h, b)
+        args = (*packed_maps(problem, *self.family.kv(problem), block_m, block_n), "o", "lse", "scale", np.int32(h),
+                np.int32(b), "cu_seqlens_q", "cu_seqlens_k")
+        return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args),), 0
 
 
 class AttentionVarlenFamily(AttentionFamily):
