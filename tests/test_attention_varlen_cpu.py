@@ -100,7 +100,7 @@ SM90 = Target.for_arch("90")
 @pytest.mark.parametrize("shape, opts", [
     ("4,8,1000,64", {"kv_heads": 2, "causal": True}), ("4,8,1000,128", {"kv_heads": 2}),
     ("3,16,2048,128", {"kv_heads": 4, "causal": True, "window_left": 100, "softcap": 30.0}),
-    ("3,16,2000,64", {"kv_len": 3000}), ("4,8,1000,128", {"causal": True, "persistent": True})])
+    ("3,16,2000,64", {"kv_len": 3000}), ("4,8,1000,128", {"causal": True, "persistent": False})])
 def test_the_wgmma_kernel_is_the_sm90_default_and_compiles(shape, opts):
     from autosoft.compile import compile_source
 
@@ -108,8 +108,8 @@ def test_the_wgmma_kernel_is_the_sm90_default_and_compiles(shape, opts):
     problem = FAMILY.problem(shape, "bfloat16", opts)
     params = FAMILY.default_params(problem, SM90)
     assert params["engine"] == "wgmma"
-    if persistent is not None:
-        params["persistent"] = persistent
+    if persistent is not None:  # one block per tile
+        params.update(persistent=persistent, queue=False)
     variant = build_variant(FAMILY, problem, params, SM90)
     # each tile's sequence from the offsets, 3-D boxes at its first token, rows stored per token
     for line in ("tl.q_first = cu_seqlens_q[seq];", "c * 64, tl.hq, tl.q_first + tl.m0);",
@@ -117,8 +117,11 @@ def test_the_wgmma_kernel_is_the_sm90_default_and_compiles(shape, opts):
         assert line in variant.source, line
     (launch,) = variant.launches
     tiles = (-(-problem.shape[2] // params["block_m"]), problem.shape[1], problem.shape[0])
-    assert launch.grid == ((min(np.prod(tiles), SM90.sm_count), 1, 1) if params["persistent"] else tiles)
-    assert launch.args[-2:] == ("cu_seqlens_q", "cu_seqlens_k")
+    resident = SM90.sm_count * params["blocks_per_sm"]
+    assert launch.grid == ((min(np.prod(tiles), resident), 1, 1) if params["persistent"] else tiles)
+    assert launch.args[3:8] == ("o", "lse", "scale", problem.shape[1], problem.shape[0])
+    assert launch.args[8:10] == ("cu_seqlens_q", "cu_seqlens_k")
+    assert (launch.args[-1] == "workspace") == bool(params["queue"]) == ("causal" in opts and persistent is None)
     result = compile_source(variant.source, "90")
     assert result.ok, result.log[:2000]
 

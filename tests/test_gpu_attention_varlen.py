@@ -75,13 +75,13 @@ WGMMA_CASES = [
 
 
 def _wgmma_points(problem, target, count: int):
-    """The default wgmma point, the same under the other schedule (persistent blocks or one per
-    tile), and the first `count` other wgmma seeds (other tiles and consumers)."""
+    """The default wgmma point under each schedule (one block per tile, persistent blocks, from a
+    queue) and the first `count` other wgmma seeds (other tiles and consumers)."""
     default = FAMILY.default_params(problem, target)
     assert default["engine"] == "wgmma", default
-    other = {**default, "persistent": not default["persistent"]}
-    seeds = [p for p in FAMILY.seed_params(problem, target) if p["engine"] == "wgmma" and p != other]
-    return [default, other, *seeds[:count]]
+    schedules = [{**default, "persistent": p, "queue": q} for p, q in ((False, False), (True, False), (True, True))]
+    points = [default, *[p for p in schedules if p != default]]
+    return points + [p for p in FAMILY.seed_params(problem, target) if p["engine"] == "wgmma" and p not in points][:count]
 
 
 @pytest.mark.parametrize("dtype, d, hq, hkv, keys, opts", WGMMA_CASES)

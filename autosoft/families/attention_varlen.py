@@ -28,9 +28,10 @@ import numpy as np
 from ..dtypes import ITEMSIZE, to_storage
 from ..errors import UserError
 from ..operators import OperatorCall, TorchOperator
+from ..space import ParamValue
 from . import register
 from ._attention_mma import MmaEngine
-from ._attention_wgmma import WgmmaEngine, swizzle_bytes
+from ._attention_wgmma import WgmmaEngine, fast_divisor, swizzle_bytes
 from .attention import ATTENTION, AttentionFamily, call_options, check_scale
 from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap
 
@@ -75,7 +76,7 @@ class VarlenWgmma(WgmmaEngine):
     """The attention wgmma kernel over packed sequences: tensor maps over the packed tokens, the
     tiles numbered sequence after sequence from the offsets (on the GPU); one block per query tile
     of the longest sequence in every sequence (the surplus returns at once) or persistent blocks
-    (attention_varlen_wgmma.yaml fixes the queue, chain and lpt schedules off)."""
+    taking their tiles from a queue or not (attention_varlen_wgmma.yaml fixes chain and lpt off)."""
 
     def __init__(self, family: Family) -> None:
         super().__init__(family, "attention_varlen_wgmma")
@@ -83,14 +84,29 @@ class VarlenWgmma(WgmmaEngine):
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         b, h, n, _ = problem.shape
         block_m, block_n = int(values["block_m"]), int(values["block_n"])
-        if values["queue"] or values["chain"] or values["lpt"]:
-            raise ValueError(f"{self.family.name}: the wgmma kernel over packed sequences takes no queue, chain or lpt")
+        if values["chain"] or values["lpt"]:
+            raise ValueError(f"{self.family.name}: the wgmma kernel over packed sequences takes no chain or lpt")
         m_blocks = -(-n // block_m)
         grid = (min(m_blocks * h * b, target.sm_count * int(values["blocks_per_sm"])), 1, 1) \
             if values["persistent"] else (m_blocks, h, b)
+        # a queue's kernel parameters: the head count's divisors (its tiles find their heads
+        # without them here, sequence by sequence) and the counter, in the workspace
+        queued = (*fast_divisor(h), *fast_divisor(1), "workspace") if values["queue"] else ()
         args = (*packed_maps(problem, *self.family.kv(problem), block_m, block_n), "o", "lse", "scale", np.int32(h),
-                np.int32(b), "cu_seqlens_q", "cu_seqlens_k")
-        return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args),), 0
+                np.int32(b), "cu_seqlens_q", "cu_seqlens_k", *queued)
+        return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args),), \
+            8 if values["queue"] else 0
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
+        """The attention family's wgmma default (tiles, consumers, pipeline) under persistent
+        blocks, which the sequences' tiles keep busy whatever their lengths (one block per tile
+        needs a grid that covers the longest sequence's tiles in every sequence); causal tiles of
+        unequal length taken from a queue, as one block per tile would take them in turn."""
+        dense = super().default_params(problem, target)
+        if dense is None:
+            return None
+        point = {**dense, "persistent": True, "queue": "causal" in problem.flags}
+        return point if self.is_valid(problem, target, point) else dense
 
 
 class AttentionVarlenFamily(AttentionFamily):
