@@ -26,7 +26,7 @@ import numpy as np
 from .dispatch import DISPATCHER
 from .dtypes import CUPY_INPUT_NAMES, TORCH_INPUT_NAMES, TORCH_NAMES
 from .families import get_family
-from .families.base import Family, OptionValue, Problem
+from .families.base import Family, OptionValue, Problem, TensorMap
 
 VEC_ALIGN = 16  # the kernels read 16-byte vectors: an output shares its input's address mod 16
 _int64 = np.int64  # a stride as a kernel argument
@@ -211,8 +211,18 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     # inputs taken with their own strides: each one's strides but the last follow the scalars
     strided = tuple(i for i, n in enumerate(array_names) if n in family.strided_inputs)
     stride_names = tuple(f"{array_names[i]}_stride{d}" for i in strided for d in range(len(shapes[array_names[i]]) - 1))
-    launch = fw.loaded(problem, device).launcher(array_names + tuple(outputs) + scalar_names + stride_names,
-                                                 scalar_names + stride_names)
+    loaded = fw.loaded(problem, device)
+    # tensor maps over their array's own rows (TensorMap.runtime_rows): fixed by the signature,
+    # passed after the strides
+    rows = {m.rows_name: _int64(shapes[m.array][0]) for launch in loaded.variant.launches for m in launch.args
+            if isinstance(m, TensorMap) and m.runtime_rows}
+    launch = loaded.launcher(array_names + tuple(outputs) + scalar_names + stride_names + tuple(rows),
+                             scalar_names + stride_names + tuple(rows))
+    if rows:
+        with_rows, row_values = launch, tuple(rows.values())
+
+        def launch(*args: Any) -> None:
+            with_rows(*args[:-1], *row_values, args[-1])
     # a signature fixes the first input's shape and dtype: whether the first output matches them
     # (softmax's) is known now, not asked at each call
     like_first = next(iter(outputs.values())) == (shapes[array_names[0]], dtype) if array_names[0] in shapes else False

@@ -56,7 +56,8 @@ def standalone_source(variant: Variant, entry: Entry | None) -> str:
     for tmap in dict.fromkeys(maps):
         lines.append(f"  tensor_map({tmap.array}): a CUtensorMap (cuTensorMapEncodeTiled) over {tmap.array}, "
                      f"{tmap.dtype} of shape {tmap.shape} (outermost first) with its strides, box {tmap.box}, "
-                     f"{tmap.swizzle_bytes}-byte swizzle, zero fill past the edges; passed by value")
+                     f"{tmap.swizzle_bytes}-byte swizzle, zero fill past the edges; passed by value"
+                     + (f" (the first extent is its own rows, {tmap.rows_name})" if tmap.runtime_rows else ""))
     if variant.workspace_bytes:
         lines.append(f"workspace: {variant.workspace_bytes} bytes of device memory, zeroed once before the "
                      "first launch and kept for later launches (the kernels' comments say what it holds)")
@@ -142,7 +143,7 @@ class _HostLauncher:
             for arg, param in zip(launch.args, params):
                 if isinstance(arg, TensorMap):  # the launcher takes the array and its strides, and encodes the map
                     host.setdefault(arg.array, f"const {self.types.get('raw_t', 'void')}*")
-                    map_strides += arg.stride_names
+                    map_strides += arg.stride_names + ((arg.rows_name,) if arg.runtime_rows else ())
                     continue
                 if not isinstance(arg, str) or arg == "workspace":
                     continue
@@ -254,18 +255,22 @@ _TMA_SWIZZLES = {32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B
 
 
 def _encode_map(tmap: TensorMap, check: str) -> list[str]:
-    """Launcher lines that encode `map_<array>` from the array and its strides (elements); a
-    dimension of one element takes the contiguous stride, as the runtime does."""
+    """Launcher lines that encode `map_<array>` from the array and its strides (elements) (and
+    with runtime_rows its rows); a dimension of one element takes the contiguous stride, as the
+    runtime does."""
     itemsize = ITEMSIZE[tmap.dtype]
     rank = len(tmap.shape)
     packed = tmap.contiguous_strides
     strides = [f"{packed[d] * itemsize}ull" if tmap.shape[d] == 1 or tmap.always_contiguous
                else f"(cuuint64_t){tmap.stride_names[d]} * {itemsize}"
                for d in reversed(range(rank - 1))]
+    # a map over its array's own rows (runtime_rows) takes their count from the launcher's argument
+    dims = [f"(cuuint64_t){tmap.rows_name}" if d == 0 and tmap.runtime_rows else f"{n}ull"
+            for d, n in enumerate(tmap.shape)]
     return [
         f"  TensorMap map_{tmap.array};",
         "  {",
-        f"    const cuuint64_t dims[{rank}] = {{{', '.join(f'{n}ull' for n in reversed(tmap.shape))}}};",
+        f"    const cuuint64_t dims[{rank}] = {{{', '.join(reversed(dims))}}};",
         f"    const cuuint64_t strides[{rank - 1}] = {{{', '.join(strides)}}};",
         f"    const cuuint32_t box[{rank}] = {{{', '.join(f'{n}u' for n in reversed(tmap.box))}}};",
         f"    err = autosoft_tensor_map(&map_{tmap.array}, {tmap.array}, {_TMA_TYPES[tmap.dtype]}, {rank}, dims, strides, box,",

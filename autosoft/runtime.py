@@ -237,6 +237,9 @@ class LoadedVariant:
         self._stride_args = tuple(dict.fromkeys(
             [a for l in variant.launches for a in l.args if isinstance(a, str) and _STRIDE.fullmatch(a)]
             + [name for l in variant.launches for a in l.args if isinstance(a, TensorMap) for name in a.stride_names]))
+        # the maps whose outermost extent is their array's own at each launch (TensorMap.runtime_rows)
+        self._rows_args = tuple(dict.fromkeys(a.rows_name for l in variant.launches for a in l.args
+                                              if isinstance(a, TensorMap) and a.runtime_rows))
 
     def launch(self, buffers: Mapping[str, Any], stream: Any = None) -> None:
         """Run every launch of the variant. Buffers: name -> CuPy array, device pointer (int) or scalar.
@@ -251,6 +254,11 @@ class LoadedVariant:
                 a = buffers[array]
                 values[name] = np.int64(a.strides[int(dim)] // a.itemsize) if hasattr(a, "strides") \
                     else self._contiguous_strides[name]
+        for name in self._rows_args:
+            if name not in values:  # the array's own rows; a bare pointer: the problem's most
+                a = buffers[name[:-len("_rows")]]
+                values[name] = np.int64(a.shape[0] if hasattr(a, "shape") else
+                                        self._contiguous_strides[name])
         self.launch_raw(values, stream_ptr)
 
     @functools.cached_property
@@ -261,6 +269,7 @@ class LoadedVariant:
 
         out = {}
         for array, shape in get_family(self.variant.family).input_shapes(self.variant.problem).items():
+            out[f"{array}_rows"] = np.int64(shape[0])
             step = 1
             for dim in reversed(range(len(shape))):
                 out[f"{array}_stride{dim}"] = np.int64(step)
@@ -280,14 +289,18 @@ class LoadedVariant:
         """
         position = {name: i for i, name in enumerate(names)}
         plans: list[tuple[_RawLaunch, tuple[tuple[int, int], ...]]] = []
-        maps: list[tuple[_RawLaunch, int, TensorMap, int, tuple[int, ...] | None]] = []
+        maps: list[tuple[_RawLaunch, int, TensorMap, int, tuple[int, ...] | None, int | None]] = []
         for raw in self._launches:
             for slot, tmap in raw.tensor_maps:
                 if tmap.array not in position:
                     raise KeyError(f"{self.variant.name}: launch {raw.kernel} maps buffer {tmap.array!r}, not among {names}")
                 strides = tuple(position[n] for n in tmap.stride_names) \
                     if tmap.stride_names and all(n in position for n in tmap.stride_names) else None
-                maps.append((raw, slot, tmap, position[tmap.array], strides))
+                if tmap.runtime_rows and tmap.rows_name not in position:
+                    raise KeyError(f"{self.variant.name}: launch {raw.kernel} maps {tmap.array!r} over its own rows, "
+                                   f"{tmap.rows_name!r} not among {names}")
+                maps.append((raw, slot, tmap, position[tmap.array], strides,
+                             position[tmap.rows_name] if tmap.runtime_rows else None))
             binds = []
             for slot, name in raw.bound:
                 if name == "workspace":
@@ -372,9 +385,10 @@ class LoadedVariant:
             stream_ptr = args[-1]
             try:
                 with lock:
-                    for raw, slot, tmap, at, strides in maps:  # TMA descriptors of this call's arrays
+                    for raw, slot, tmap, at, strides, rows in maps:  # TMA descriptors of this call's arrays
                         raw.set_bytes(slot, encode(tmap, args[at], None if strides is None else
-                                                   tuple(int(args[i]) for i in strides)))
+                                                   tuple(int(args[i]) for i in strides),
+                                                   None if rows is None else int(args[rows])))
                     for raw, binds in plans:
                         for slot, at in binds:
                             raw.set(slot, args[at] if at >= 0 else workspace(stream_ptr))
@@ -395,16 +409,18 @@ class LoadedVariant:
             launch = self._launchers[names, scalars] = self.launcher(names, scalars)
         launch(*values.values(), stream_ptr)
 
-    def _tensor_map(self, tmap: TensorMap, pointer: int, strides: tuple[int, ...] | None) -> bytes:
+    def _tensor_map(self, tmap: TensorMap, pointer: int, strides: tuple[int, ...] | None,
+                    rows: int | None = None) -> bytes:
         """The CUtensorMap of `tmap` over the array at `pointer` with these strides (elements;
-        None: contiguous), from a small cache: a map holds the address, so each new array is
-        encoded once (about a microsecond) and repeated calls on the same tensors are a lookup."""
-        key = (tmap, pointer, strides)
+        None: contiguous) and outermost extent (None: the map's own), from a small cache: a map
+        holds the address, so each new array is encoded once (about a microsecond) and repeated
+        calls on the same tensors are a lookup."""
+        key = (tmap, pointer, strides, rows)
         encoded = self._maps.get(key)
         if encoded is None:
             if len(self._maps) >= _MAPS_KEPT:
                 self._maps.clear()
-            encoded = self._maps[key] = encode_tensor_map(tmap, pointer, strides)
+            encoded = self._maps[key] = encode_tensor_map(tmap, pointer, strides, rows)
         return encoded
 
     def _workspace(self, stream_ptr: int) -> int:
@@ -500,16 +516,18 @@ _SWIZZLES = {32: 1, 64: 2, 128: 3}  # CU_TENSOR_MAP_SWIZZLE_32B, _64B, _128B by 
 _L2_PROMOTION_128B = 2
 
 
-def encode_tensor_map(tmap: TensorMap, pointer: int, strides: tuple[int, ...] | None = None) -> bytes:
+def encode_tensor_map(tmap: TensorMap, pointer: int, strides: tuple[int, ...] | None = None,
+                      rows: int | None = None) -> bytes:
     """cuTensorMapEncodeTiled for `tmap` over the array at `pointer`, whose strides (elements,
-    every dimension but the last, outermost first) are `strides` or, for None, contiguous. A
+    every dimension but the last, outermost first) are `strides` or, for None, contiguous, and
+    whose outermost extent is `rows` (a map with runtime_rows: the array's own) or the map's. A
     dimension of one element takes a contiguous stride whatever it was given (its stride is never
     used, and the driver insists on multiples of 16 bytes). Raises RuntimeError with the driver's
     error code when the driver refuses (an address or stride that is not a multiple of 16 bytes)."""
     from .dtypes import ITEMSIZE
 
     itemsize = ITEMSIZE[tmap.dtype]
-    shape = tmap.shape
+    shape = tmap.shape if rows is None else (rows, *tmap.shape[1:])
     packed = tmap.contiguous_strides
     given = strides if strides is not None else packed
     steps = [packed[d] if shape[d] == 1 else given[d] for d in range(len(shape) - 1)]

@@ -55,3 +55,100 @@ def test_function_matches_sdpa_sequence_by_sequence(dtype):
         scores = (qs.double() @ ks.double().transpose(-1, -2)) / math.sqrt(d)
         expected = torch.logsumexp(scores.masked_fill(~mask, -math.inf), dim=-1)
         torch.testing.assert_close(lse[:, q0:q0 + nq][None].double(), expected, atol=1e-3, rtol=1e-4)
+
+
+# --- the wgmma engine over packed sequences (sm_90a) ------------------------------------------
+
+# queries per sequence: one token, either side of a 64-row warpgroup tile, a few tiles, a long one;
+# keys: as many, or others (fewer than the queries: causal rows that see no key)
+EDGES_Q = [1, 63, 64, 65, 200, 1500]
+EDGES_K = {"same": EDGES_Q, "other": [300, 1, 64, 30, 450, 1700]}
+SPARE = 130  # rows past the batch's tokens in every array: never read as a sequence's, never written
+
+WGMMA_CASES = [
+    ("bfloat16", 128, 8, 2, "same", {"causal": True}),
+    ("float16", 64, 4, 4, "other", {}),
+    ("bfloat16", 64, 8, 1, "other", {"causal": True}),
+    ("bfloat16", 128, 8, 4, "same", {"causal": True, "window_left": 100, "window_right": 0}),
+    ("float16", 128, 4, 2, "other", {"window_left": 90, "window_right": 40, "softcap": 20.0}),
+]
+
+
+def _wgmma_points(problem, target, count: int):
+    """The default wgmma point under each schedule (one block per tile, persistent blocks, from a
+    queue) and the first `count` other wgmma seeds (other tiles and consumers)."""
+    default = FAMILY.default_params(problem, target)
+    assert default["engine"] == "wgmma", default
+    schedules = [{**default, "persistent": p, "queue": q} for p, q in ((False, False), (True, False), (True, True))]
+    points = [default, *[p for p in schedules if p != default]]
+    return points + [p for p in FAMILY.seed_params(problem, target) if p["engine"] == "wgmma" and p not in points][:count]
+
+
+@pytest.mark.parametrize("dtype, d, hq, hkv, keys, opts", WGMMA_CASES)
+def test_wgmma_engine_matches_the_reference_and_writes_only_the_batch_s_rows(dtype, d, hq, hkv, keys, opts):
+    cp = pytest.importorskip("cupy")
+    import numpy as np
+
+    from autosoft.dtypes import to_float64, to_storage
+    from autosoft.runtime import device_info
+    from helpers import loaded_variant
+
+    target = device_info().target
+    if target.arch != "90":
+        pytest.skip("the wgmma engine needs sm_90")
+    queries, key_counts = EDGES_Q, EDGES_K[keys]
+    problem = FAMILY.problem(f"{len(queries)},{hq},{max(queries)},{d}", dtype,
+                             {**opts, "kv_heads": hkv, "kv_len": max(key_counts)})
+    rng = np.random.default_rng(11)
+    total_q, total_k = sum(queries), sum(key_counts)
+    offsets = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (queries, key_counts)]
+    inputs = {"q": to_storage(rng.standard_normal((total_q + SPARE, hq, d), dtype=np.float32), dtype, cp),
+              "k": to_storage(rng.standard_normal((total_k + SPARE, hkv, d), dtype=np.float32), dtype, cp),
+              "v": to_storage(rng.standard_normal((total_k + SPARE, hkv, d), dtype=np.float32), dtype, cp),
+              "cu_seqlens_q": cp.asarray(offsets[0]), "cu_seqlens_k": cp.asarray(offsets[1]),
+              "scale": np.float32(1 / math.sqrt(d))}
+    poison_o = to_storage(np.full((total_q + SPARE, hq, d), np.nan, dtype=np.float32), dtype, cp)
+    for params in _wgmma_points(problem, target, 2):
+        loaded = loaded_variant(FAMILY, problem, params)
+        outputs = {"o": poison_o.copy(), "lse": cp.full((total_q + SPARE, hq), cp.nan, dtype=cp.float32)}
+        loaded.launch({**inputs, **outputs})
+        cp.cuda.Device().synchronize()
+        wrong = FAMILY.check(problem, inputs, outputs, cp)
+        assert wrong is None, f"{loaded.variant.name}: {wrong}"
+        # every row of the batch written, none past it (the spare rows keep their poison)
+        assert not bool(cp.isnan(to_float64(outputs["o"][:total_q], dtype, cp)).any()), \
+            f"{loaded.variant.name}: an o row not written"
+        assert bool(cp.isnan(outputs["lse"][total_q:]).all()), f"{loaded.variant.name}: lse written past the batch"
+        assert bool((outputs["o"][total_q:].view(cp.uint16) == poison_o[total_q:].view(cp.uint16)).all()), \
+            f"{loaded.variant.name}: o written past the batch"
+        assert not bool(cp.isnan(outputs["lse"][:total_q]).any()), f"{loaded.variant.name}: an lse row not written"
+
+
+def test_the_function_on_sm90_runs_the_wgmma_engine_and_matches_sdpa():
+    """autosoft.attention_varlen on sm_90 (the wgmma engine by default) against SDPA sequence by
+    sequence, on the prefill benchmark's kind of batch: long and short causal sequences, GQA."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+    from autosoft.runtime import device_info
+
+    if device_info().target.arch != "90":
+        pytest.skip("the wgmma engine needs sm_90")
+    lengths = [133, 3679, 1, 64, 65, 977, 2048]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(sum(lengths), 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(lengths), 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(lengths), 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    shapes = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "cu_seqlens_q": (len(cu),),
+              "cu_seqlens_k": (len(cu),)}
+    bounds = {"causal": True, "max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
+    problem = FAMILY.problem_for(shapes, "bfloat16", bounds)
+    assert FAMILY.default_params(problem, device_info().target)["engine"] == "wgmma"
+    o, lse = autosoft.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, return_lse=True)
+    for s, n in enumerate(lengths):
+        a = int(cu[s])
+        qs, ks, vs = (x[a:a + n].transpose(0, 1)[None].float() for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, ks.repeat_interleave(4, 1), vs.repeat_interleave(4, 1),
+                                                               is_causal=True)
+        torch.testing.assert_close(o[a:a + n].transpose(0, 1)[None].float(), ref, atol=2e-2, rtol=2e-2)
+    assert not torch.isnan(lse).any()

@@ -10,9 +10,12 @@ lse back as FlashAttention's (Hq, total_q) view).
 
 The lengths are read on the GPU from the offsets, so one variant serves every batch whose longest
 sequences fit the problem's bucket: B, the heads, D, max_seqlen_q (the shape's N) and max_seqlen_k
-(kv_len); tuning times every sequence that long. The kernel is the attention family's mma kernel
-with both lengths run-time values of each sequence (`runtime_queries`), one block per query tile of
-the longest sequence (the others' surplus tiles return at once).
+(kv_len); tuning times every sequence that long. Two kernels of the attention family, with both
+lengths run-time values of each sequence (`runtime_queries`): on sm_90 the wgmma kernel
+(FlashAttention-3's varlen: tensor maps over the packed tokens, the query tiles numbered sequence
+after sequence, one block per tile or persistent blocks), elsewhere and as the tuner's other choice
+the mma kernel (one block per query tile of the longest sequence in every sequence, the surplus
+returning at once).
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ import numpy as np
 from ..dtypes import ITEMSIZE, to_storage
 from ..errors import UserError
 from ..operators import OperatorCall, TorchOperator
+from ..space import ParamValue
 from . import register
 from ._attention_mma import MmaEngine
+from ._attention_wgmma import WgmmaEngine, fast_divisor, swizzle_bytes
 from .attention import ATTENTION, AttentionFamily, call_options, check_scale
-from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target
+from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap
 
 
 class VarlenMma(MmaEngine):
@@ -50,6 +55,58 @@ class VarlenMma(MmaEngine):
         args = (*attention.args[:6], *q_strides, *kv_strides, *kv_strides, "cu_seqlens_q", "cu_seqlens_k",
                 *attention.args[6:])
         return (replace(attention, args=args),), workspace
+
+
+def packed_maps(problem: Problem, kv_heads: int, kv_len: int, block_m: int,
+                block_n: int) -> tuple[TensorMap, TensorMap, TensorMap]:
+    """The wgmma kernel's tensor maps over packed q (total_q, Hq, D), k and v (total_k, Hkv, D)
+    of a problem with kv_heads heads of k and v and at most kv_len keys a sequence: 3-D, a box one
+    head's rows of one row chunk (block_m queries or block_n keys), the tokens' extent the call's
+    own (the problem's is the most it may be). Contiguous: the call layer packs the arrays."""
+    b, h, n, d = problem.shape
+    cols = swizzle_bytes(d) // 2
+    return (TensorMap("q", (b * n, h, d), (block_m, 1, cols), problem.dtype, always_contiguous=True, runtime_rows=True),
+            TensorMap("k", (b * kv_len, kv_heads, d), (block_n, 1, cols), problem.dtype, always_contiguous=True,
+                      runtime_rows=True),
+            TensorMap("v", (b * kv_len, kv_heads, d), (block_n, 1, cols), problem.dtype, always_contiguous=True,
+                      runtime_rows=True))
+
+
+class VarlenWgmma(WgmmaEngine):
+    """The attention wgmma kernel over packed sequences: tensor maps over the packed tokens, the
+    tiles numbered sequence after sequence from the offsets (on the GPU); one block per query tile
+    of the longest sequence in every sequence (the surplus returns at once) or persistent blocks
+    taking their tiles from a queue or not (attention_varlen_wgmma.yaml fixes chain and lpt off)."""
+
+    def __init__(self, family: Family) -> None:
+        super().__init__(family, "attention_varlen_wgmma")
+
+    def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
+        b, h, n, _ = problem.shape
+        block_m, block_n = int(values["block_m"]), int(values["block_n"])
+        if values["chain"] or values["lpt"]:
+            raise ValueError(f"{self.family.name}: the wgmma kernel over packed sequences takes no chain or lpt")
+        m_blocks = -(-n // block_m)
+        grid = (min(m_blocks * h * b, target.sm_count * int(values["blocks_per_sm"])), 1, 1) \
+            if values["persistent"] else (m_blocks, h, b)
+        # a queue's kernel parameters: the head count's divisors (its tiles find their heads
+        # without them here, sequence by sequence) and the counter, in the workspace
+        queued = (*fast_divisor(h), *fast_divisor(1), "workspace") if values["queue"] else ()
+        args = (*packed_maps(problem, *self.family.kv(problem), block_m, block_n), "o", "lse", "scale", np.int32(h),
+                np.int32(b), "cu_seqlens_q", "cu_seqlens_k", *queued)
+        return (Launch("attention_fwd", grid, (128 * (block_m // 64 + 1), 1, 1), values["smem_bytes"], args),), \
+            8 if values["queue"] else 0
+
+    def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
+        """The attention family's wgmma default (tiles, consumers, pipeline) under persistent
+        blocks, which the sequences' tiles keep busy whatever their lengths (one block per tile
+        needs a grid that covers the longest sequence's tiles in every sequence); causal tiles of
+        unequal length taken from a queue, as one block per tile would take them in turn."""
+        dense = super().default_params(problem, target)
+        if dense is None:
+            return None
+        point = {**dense, "persistent": True, "queue": "causal" in problem.flags}
+        return point if self.is_valid(problem, target, point) else dense
 
 
 class AttentionVarlenFamily(AttentionFamily):
@@ -76,7 +133,8 @@ class AttentionVarlenFamily(AttentionFamily):
                 ("4,16,1000,128", "bfloat16", {"kv_heads": 4, "causal": True}))
 
     def __init__(self) -> None:
-        self.engines = (VarlenMma(self),)
+        # the wgmma kernel first: where it offers a default (sm_90, enough rows) it is the faster
+        self.engines = (VarlenWgmma(self), VarlenMma(self))
 
     # --- problem ------------------------------------------------------------------------
 

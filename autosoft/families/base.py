@@ -137,12 +137,16 @@ class TensorMap:
     box[-1] * itemsize (a box row, the swizzle's span) must be 128, 64 or 32 bytes, and every
     other stride a multiple of 16 bytes.
     always_contiguous: the array is laid out contiguously whatever the call (an output the family
-    allocates): it has no stride arguments."""
+    allocates): it has no stride arguments.
+    runtime_rows: the outermost dimension's extent is the array's own at each launch, given as the
+    launch value `<array>_rows` (packed sequences of lengths that vary per call: a map as long as the
+    problem's bound would read past the array); shape[0] is the most it may be."""
     array: str
     shape: tuple[int, ...]
     box: tuple[int, ...]
     dtype: str
     always_contiguous: bool = False
+    runtime_rows: bool = False
 
     @property
     def swizzle_bytes(self) -> int:
@@ -154,6 +158,11 @@ class TensorMap:
     @property
     def stride_names(self) -> tuple[str, ...]:
         return () if self.always_contiguous else tuple(f"{self.array}_stride{i}" for i in range(len(self.shape) - 1))
+
+    @property
+    def rows_name(self) -> str | None:
+        """The launch value giving the outermost extent, for a map with runtime_rows."""
+        return f"{self.array}_rows" if self.runtime_rows else None
 
     @property
     def contiguous_strides(self) -> tuple[int, ...]:
