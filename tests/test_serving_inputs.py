@@ -158,3 +158,29 @@ def test_varlen_valid_calls_reach_the_array_layer():
     """A valid call, and an empty one (no queries: empty outputs), pass every host check."""
     for call in (lambda: varlen(), lambda: varlen(q=z(0, HQ, 48), k=z(12, HKV, 48), v=z(12, HKV, 48))):
         refused(call, TypeError, "q is a CPU tensor")
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_an_empty_append_is_none_and_a_strided_cache_is_refused_before_writing():
+    """On CUDA tensors: k_new of no tokens gives what no k_new gives (not an empty call's
+    uninitialised o) and leaves the cache as it was; an append into a strided cache is refused
+    with the cache untouched; the same cache read-only is taken."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, NQ, HQ, D, device="cuda", generator=gen).half()
+    fused = torch.randn(B, 40, 2, HKV, D, device="cuda", generator=gen).half()
+    k_cache, v_cache = fused[:, :, 0].contiguous(), fused[:, :, 1].contiguous()
+    lengths = torch.tensor([7, 40], device="cuda", dtype=I32)
+    plain = autosoft.attention_kvcache(q, k_cache, v_cache, lengths)
+    before = k_cache.clone()
+    empty = torch.zeros(B, 0, HKV, D, device="cuda", dtype=F16)
+    assert torch.equal(autosoft.attention_kvcache(q, k_cache, v_cache, lengths, k_new=empty, v_new=empty), plain)
+    assert torch.equal(k_cache, before)
+    new = torch.ones(B, 1, HKV, D, device="cuda", dtype=F16)
+    kept = fused.clone()
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+        autosoft.attention_kvcache(q, fused[:, :, 0], fused[:, :, 1], lengths - 1, k_new=new, v_new=new)
+    assert torch.equal(fused, kept)
+    strided = autosoft.attention_kvcache(q, fused[:, :, 0], fused[:, :, 1], lengths)
+    assert torch.allclose(strided.float(), plain.float(), atol=1e-3)
