@@ -410,6 +410,7 @@ def tracing() -> bool:
 
 
 _VALID: set[tuple[Any, ...]] = set()  # (family, then each array's shape and dtype) of calls that passed
+_VALID_KEPT = 4096  # then forgotten all at once: shapes that change every call must not grow it without end
 
 
 def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[Any, ...]) -> bool:
@@ -433,6 +434,8 @@ def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[An
     check_dtype_names(who, dtypes, family.dtypes, family.input_dtypes)
     family.check_call_shapes(who, shapes)
     if key is not None:
+        if len(_VALID) >= _VALID_KEPT:
+            _VALID.clear()
         _VALID.add(key)
     return True
 
