@@ -1,4 +1,4 @@
-"""Flash-attention forward: autosoft against torch SDPA with each backend forced (flash, efficient, cuDNN) and its default.
+"""Flash-attention forward: autosoft against torch SDPA with each backend forced (flash, efficient, cuDNN), its default and FA4.
 
     python benchmarks/attention.py --cache attention.sqlite --trials 16 --out attention.json
     python benchmarks/attention.py --no-tune --shapes 1,32,8192,64 --dtypes bfloat16 --causal no
@@ -7,7 +7,9 @@ For every shape x dtype x (full, causal): autosoft's variant (tuned, or taken fr
 the entry is there; with --no-tune the heuristic default) is verified once against the float64
 reference, then autosoft and every SDPA backend are timed on the same torch tensors by the same
 method (autosoft.timing.time_gpu: CUDA events, spin-blocked queue, median, inputs rotated so no
-run reads them from L2). TFLOP/s counts 4*B*H*N*N*D, halved for causal. --sweep times every
+run reads them from L2); FlashAttention-4 (flash_attn.cute.interface.flash_attn_func on
+(B, N, H, D) copies of the same tensors) too where it imports (the peer flash-attn-4: run through
+/tmp/peers/run.py after peer-install), else its column stays empty. TFLOP/s counts 4*B*H*N*N*D, halved for causal. --sweep times every
 valid variant of the search space instead (verifying the fastest few) to see the whole landscape;
 --seeds K times the default and its first K seeds (those matching --match NAME=VALUE,...), each
 verified, beside cuDNN timed before and after them on the same tensors: an ablation in one run.
@@ -31,6 +33,7 @@ import sys
 import time
 import traceback
 from functools import lru_cache
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,7 @@ from autosoft.timing import rotation_count, time_gpu  # noqa: E402
 from autosoft.tune import tuned_kernel  # noqa: E402
 from autosoft.kernel_store import default_store  # noqa: E402
 
+from attention_backward import fa4_function  # noqa: E402
 from provenance import commit  # noqa: E402
 
 SHAPES = [(1, 32, 8192, 64), (4, 16, 1024, 64), (4, 16, 4096, 64), (4, 16, 4096, 128), (2, 16, 16384, 128),
@@ -115,6 +119,11 @@ class Inputs:
                 s.update({n: poisoned(shape, dtype, cp) for n, (shape, dtype) in FAMILY.output_specs(problem).items()})
                 self.sets.append(s)
 
+    @lru_cache(maxsize=None)
+    def bnhd(self, i: int) -> tuple:
+        """Set i's q, k and v as (B, N, H, D) contiguous copies, FA4's layout."""
+        return tuple(self.sets[i][n].transpose(1, 2).contiguous() for n in ("q", "k", "v"))
+
     def buffers(self, i: int) -> dict:
         s = self.sets[i]
         ptr = (lambda a: a.data_ptr()) if self.torch is not None else (lambda a: a.data.ptr)
@@ -149,6 +158,31 @@ def time_sdpa(torch, inputs: Inputs, causal: bool, backend: str, reps: int) -> d
         return {"us": None, "error": " ".join(str(exc).split())[:200]}
 
 
+def time_fa4(torch, inputs: Inputs, causal: bool, reps: int) -> dict:
+    """FlashAttention-4's forward on the rotated sets, and its largest difference from SDPA on the
+    first; {"us": None, "error": ...} where it does not import or refuses the problem."""
+    fa4 = fa4_function()
+    if fa4 is None:
+        return {"us": None, "error": "flash_attn.cute does not import"}
+
+    def run(i: int) -> Any:
+        out = fa4(*inputs.bnhd(i), causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    try:
+        for i in range(3):  # FA4 compiles each configuration on its first calls
+            run(i % inputs.n_sets)
+        torch.cuda.synchronize()
+        us = time_gpu(run, inputs.n_sets, reps).median_us
+        first = inputs.sets[0]
+        ref = torch.nn.functional.scaled_dot_product_attention(first["q"], first["k"], first["v"], is_causal=causal,
+                                                               enable_gqa=first["k"].shape[1] != first["q"].shape[1])
+        diff = float((run(0).transpose(1, 2).float() - ref.float()).abs().max())
+        return {"us": us, "max_abs_diff_vs_sdpa": diff}
+    except Exception as exc:  # noqa: BLE001 - FA4 refuses this problem or this GPU
+        return {"us": None, "error": " ".join(str(exc).split())[:200]}
+
+
 def bench_one(torch, problem: Problem, cache: Cache | None, trials: int, seed: int, reps: int) -> dict:
     causal = "causal" in problem.flags
     flops = FAMILY.flops(problem)
@@ -169,13 +203,16 @@ def bench_one(torch, problem: Problem, cache: Cache | None, trials: int, seed: i
             row[f"{backend}_us"] = r["us"]
             if "error" in r:
                 row[f"{backend}_error"] = r["error"]
+        r = time_fa4(torch, inputs, causal, reps)
+        row["fa4_us"] = r["us"]
+        row.update({f"fa4_{k}": v for k, v in r.items() if k != "us"})
         last = inputs.sets[(3 + reps - 1) % inputs.n_sets]  # written by the last timed autosoft run
         ref = torch.nn.functional.scaled_dot_product_attention(last["q"], last["k"], last["v"], is_causal=causal)
         row["max_abs_diff_vs_sdpa"] = float((last["o"].float() - ref.float()).abs().max())
-    for k in ("autosoft", *BACKENDS):
+    for k in ("autosoft", *BACKENDS, "fa4"):
         t = row.get(f"{k}_us")
         row[f"{k}_tflops"] = flops / (t * 1e-6) / 1e12 if t else None
-    for k in ("flash", "cudnn"):
+    for k in ("flash", "cudnn", "fa4"):
         t = row.get(f"{k}_us")
         row[f"speedup_vs_{k}"] = t / row["autosoft_us"] if t else None
     return row
@@ -265,8 +302,9 @@ def side_by_side(torch, problem: Problem, points: list[tuple[str, dict]], reps: 
             row["tflops"] = FAMILY.flops(problem) / (row["us"] * 1e-6) / 1e12
         timed.append(row)
     cudnn.append(time_sdpa(torch, inputs, causal, "cudnn", reps)["us"])
+    fa4 = time_fa4(torch, inputs, causal, reps)
     return {"shape": "x".join(map(str, problem.shape)), "dtype": problem.dtype, "causal": causal,
-            "cudnn_us": cudnn, "variants": timed}
+            "cudnn_us": cudnn, "fa4_us": fa4["us"], "fa4_error": fa4.get("error"), "variants": timed}
 
 
 def tuned_rows(paths: str, shapes: str, dtypes: str, causal: str) -> list[tuple[Problem, dict]]:
@@ -290,12 +328,14 @@ def print_seeds(result: dict) -> None:
     for s in result["seeds"]:
         cudnn = min((t for t in s["cudnn_us"] if t), default=None)
         head = f"\n{s['shape']} {s['dtype']} {'causal' if s['causal'] else 'full'}"
-        print(head + (f": cuDNN {cudnn:.1f} us (runs {', '.join(_fmt(t) for t in s['cudnn_us'])})" if cudnn else ""))
+        fa4 = s.get("fa4_us")
+        print(head + (f": cuDNN {cudnn:.1f} us (runs {', '.join(_fmt(t) for t in s['cudnn_us'])})" if cudnn else "")
+              + (f", FA4 {fa4:.1f} us" if fa4 else ""))
         for v in s["variants"]:
             if "us" not in v:
                 print(f"  {v['label']} {v['variant']} {v['error']}")
                 continue
-            ratio = f"{cudnn / v['us']:.3f}x cuDNN" if cudnn else ""
+            ratio = (f"{cudnn / v['us']:.3f}x cuDNN" if cudnn else "") + (f" {fa4 / v['us']:.3f}x FA4" if fa4 else "")
             mark = "" if v["verified"] else f" WRONG {v['verify_error']}"
             print(f"  {v['us']:10.1f} us {v['tflops']:7.1f} TF/s {ratio}  {v['label']:20} {v['variant']}{mark}")
 
@@ -396,9 +436,9 @@ def _line(r: dict) -> str:
 def print_table(result: dict) -> None:
     print(f"\nattention forward on {result['gpu']} (sm_{result['cc']}, NVRTC {result['nvrtc']}, "
           f"torch {result.get('torch')}), TFLOP/s")
-    print("| B,H,N,D | dtype | mask | autosoft | flash | efficient | cudnn | sdpa default | vs flash | vs cudnn "
-          "| verified | variant |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B,H,N,D | dtype | mask | autosoft | flash | efficient | cudnn | sdpa default | fa4 | vs flash | vs cudnn "
+          "| vs fa4 | verified | variant |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         mask = "causal" if r["causal"] else "full"
         if "error" in r:
@@ -406,7 +446,8 @@ def print_table(result: dict) -> None:
             continue
         print(f"| {r['shape']} | {r['dtype']} | {mask} | {_fmt(r['autosoft_tflops'])} | {_fmt(r.get('flash_tflops'))} "
               f"| {_fmt(r.get('efficient_tflops'))} | {_fmt(r.get('cudnn_tflops'))} | {_fmt(r.get('default_tflops'))} "
-              f"| {_fmt(r.get('speedup_vs_flash'), '.2f')}x | {_fmt(r.get('speedup_vs_cudnn'), '.2f')}x "
+              f"| {_fmt(r.get('fa4_tflops'))} | {_fmt(r.get('speedup_vs_flash'), '.2f')}x "
+              f"| {_fmt(r.get('speedup_vs_cudnn'), '.2f')}x | {_fmt(r.get('speedup_vs_fa4'), '.2f')}x "
               f"| {'yes' if r['verified'] else 'NO'} | {r['variant']} ({r['source']}) |")
 
 

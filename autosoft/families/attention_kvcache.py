@@ -21,6 +21,7 @@ the append.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -119,15 +120,81 @@ class AttentionKVCacheFamily(AttentionFamily):
                     k_new: Any = None, v_new: Any = None, causal: bool = True, scale: float | None = None,
                     window: Any = None, softcap: float | None = None, return_lse: bool = False) -> Call:
         """The arrays and options of a call (autosoft.attention_kvcache hands back o as the (B, Nq,
-        Hq, D) view of the kernel's (B, Hq, Nq, D)); its arguments are documented there."""
+        Hq, D) view of the kernel's (B, Hq, Nq, D)); its arguments are documented there. Shapes and
+        dtypes are checked here, before anything reaches a device, with errors naming the argument."""
         who = "autosoft.attention_kvcache"
         if (k_new is None) != (v_new is None):
             raise ValueError(f"{who}: give k_new and v_new together, or neither")
+        arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+        if check_arrays(who, self, self.inputs, arrays):
+            if k_new is not None and k_new.shape[1] == 0:
+                arrays = arrays[:5] + (None, None)  # nothing to append: an empty k_new must not empty the call
+            elif k_new is not None:
+                for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                    if not taken_as_it_is(cache, self.input_alignment):
+                        raise ValueError(f"{who}: {name} must be contiguous and 16-byte aligned when k_new and v_new "
+                                         "are given: they are written into it in place, and a copy would lose them")
         head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
         options = call_options(causal, window, softcap, who)
         scale = check_scale(scale, head_dim, who)
-        return Call((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new), options,
-                    {"scale": np.float32(scale)}, ("o", "lse") if return_lse else ("o",))
+        return Call(arrays, options, {"scale": np.float32(scale)}, ("o", "lse") if return_lse else ("o",))
+
+    def check_call_shapes(self, who: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """ValueError, naming the argument, unless the given arrays' shapes make a call: q (B, Nq, Hq,
+        D) of a head dim the family takes; the cache paged, (num_pages, page_size, Hkv, D) with a
+        block_table (B, max_pages) and a page size of PAGE_SIZES, or contiguous, (B, max_len, Hkv, D)
+        without one; Hq a multiple of Hkv; cache_seqlens (B,); k_new and v_new (B, Nnew, Hkv, D); at
+        most as many queries, and new tokens, per sequence as the cache holds."""
+        q, k, v = (tuple(shapes[n]) for n in ("q", "k_cache", "v_cache"))
+        if len(q) != 4:
+            raise ValueError(f"{who}: q must be (B, Nq, Hq, D), four dims, got shape {q}")
+        if len(k) != 4:
+            raise ValueError(f"{who}: k_cache must be (num_pages, page_size, Hkv, D) with a block_table or "
+                             f"(B, max_len, Hkv, D) without, four dims, got shape {k}")
+        if v != k:
+            raise ValueError(f"{who}: v_cache must have k_cache's shape {k}, got {v}")
+        b, n, h, d = q
+        if d not in self.head_dims and 0 not in q:  # an empty call gets empty outputs, as attention's does
+            raise ValueError(f"{who}: q's head dim {d} is not supported; use one of "
+                             f"{', '.join(map(str, self.head_dims))} (pad the heads to the next one)")
+        if k[3] != d:
+            raise ValueError(f"{who}: k_cache and v_cache must have q's head dim {d} (their last dim), got {k[3]}")
+        if k[2] < 1 or h % k[2]:
+            raise ValueError(f"{who}: q's {h} heads must be a multiple of the cache's {k[2]} (k_cache's third dim; "
+                             "grouped-query attention)")
+        lengths = tuple(shapes["cache_seqlens"])
+        if lengths != (b,):
+            raise ValueError(f"{who}: cache_seqlens must be (B,) = ({b},), one length per sequence, got shape {lengths}")
+        table = shapes.get("block_table")
+        if table is not None:
+            if len(table) != 2 or table[0] != b:
+                raise ValueError(f"{who}: block_table must be (B, max_pages) with B = {b} (q's batch), "
+                                 f"got shape {tuple(table)}")
+            if k[0] < 1 and 0 not in q:
+                raise ValueError(f"{who}: k_cache holds no pages (shape {k}): block_table has nothing to name")
+            if k[1] not in PAGE_SIZES[1:]:
+                raise ValueError(f"{who}: k_cache's page size {k[1]} (its second dim, with a block_table) is not "
+                                 f"supported; use one of {', '.join(map(str, PAGE_SIZES[1:]))}")
+        elif k[0] != b:
+            raise ValueError(f"{who}: without a block_table the cache is taken as contiguous, (B, max_len, Hkv, D) "
+                             f"with B = {b} (q's batch), but k_cache's first dim is {k[0]}; a paged cache "
+                             "(num_pages, page_size, Hkv, D) needs its block_table")
+        capacity = table[1] * k[1] if table is not None else k[1]
+        holds = "{} keys the cache holds ({})".format(capacity, f"block_table's {table[1]} pages of {k[1]}"
+                                                       if table is not None else "k_cache's second dim")
+        new = shapes.get("k_new")
+        if new is not None:
+            new = tuple(new)
+            if tuple(shapes["v_new"]) != new:
+                raise ValueError(f"{who}: k_new and v_new must have one shape, got {new}, {tuple(shapes['v_new'])}")
+            if len(new) != 4 or (new[0], new[2], new[3]) != (b, k[2], d):
+                raise ValueError(f"{who}: k_new and v_new must be (B, Nnew, Hkv, D) = ({b}, Nnew, {k[2]}, {d}), "
+                                 f"got shape {new}")
+            if new[1] > capacity:
+                raise ValueError(f"{who}: k_new's {new[1]} new tokens per sequence are more than the {holds}")
+        if n > capacity:
+            raise ValueError(f"{who}: q's {n} queries per sequence are more than the {holds}; they stand at a "
+                             "sequence's last keys")
 
     # --- problem ------------------------------------------------------------------------
 
@@ -160,25 +227,10 @@ class AttentionKVCacheFamily(AttentionFamily):
         block_table (B, max_pages), or contiguous (B, max_len, Hkv, D); k_new and v_new (B, Nnew,
         Hkv, D) or none. kv_len is the options' where given, else what a sequence can hold."""
         who = f"autosoft.{self.name}"
+        self.check_call_shapes(who, shapes)
         q, k = tuple(shapes["q"]), tuple(shapes["k_cache"])
-        if len(q) != 4 or len(k) != 4 or tuple(shapes["v_cache"]) != k:
-            raise ValueError(f"{who}: q must be (B, Nq, Hq, D) and k_cache, v_cache one shape of four dims, "
-                             f"got {q}, {k}, {tuple(shapes['v_cache'])}")
         b, n, h, d = q
-        table = shapes.get("block_table")
-        if table is not None and (len(table) != 2 or table[0] != b):
-            raise ValueError(f"{who}: block_table must be (B, max_pages) with B = {b}, got {tuple(table)}")
-        if table is None and k[0] != b:
-            raise ValueError(f"{who}: a contiguous cache must be (B, max_len, Hkv, D) with B = {b}, got {k}")
-        if k[3] != d or k[2] < 1 or h % k[2]:
-            raise ValueError(f"{who}: the cache {k} must have q's head dim {d} and a number of heads dividing {h}")
-        if tuple(shapes["cache_seqlens"]) != (b,):
-            raise ValueError(f"{who}: cache_seqlens must be ({b},), got {tuple(shapes['cache_seqlens'])}")
-        new = shapes.get("k_new")
-        if new is not None and (tuple(new) != tuple(shapes.get("v_new") or ()) or len(new) != 4
-                                or (new[0], new[2], new[3]) != (b, k[2], d)):
-            raise ValueError(f"{who}: k_new and v_new must be (B, Nnew, Hkv, D) = ({b}, Nnew, {k[2]}, {d}), "
-                             f"got {tuple(new)}, {tuple(shapes.get('v_new') or ())}")
+        table, new = shapes.get("block_table"), shapes.get("k_new")
         page = k[1] if table is not None else 0
         capacity = table[1] * page if table is not None else k[1]
         given = {**dict(options), "kv_heads": k[2], "kv_len": int(options.get("kv_len", capacity)),
@@ -192,6 +244,7 @@ class AttentionKVCacheFamily(AttentionFamily):
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
         """o (B, Hq, Nq, D) as the kernel writes it (autosoft.attention_kvcache hands it back
         as the (B, Nq, Hq, D) view of it) and lse (B, Hq, Nq)."""
+        self.check_call_shapes(f"autosoft.{self.name}", shapes)  # also for empty inputs, which reach no Problem
         b, n, h, d = tuple(shapes["q"])
         return {"o": ((b, h, n, d), dtype), "lse": ((b, h, n), "float32")}
 
@@ -345,6 +398,86 @@ class AttentionKVCacheFamily(AttentionFamily):
         b, h, n, d = problem.shape
         opts = {k: v for k, v in problem.options if k not in ("kv_len", "page_size", "new_len")}
         return ATTENTION.problem(f"1,{h},{n},{d}", problem.dtype, {**opts, "kv_len": length})
+
+
+# --- the host-side checks of a call's arrays (both serving functions') ---------------------------
+
+def tracing() -> bool:
+    """Whether torch.compile traces: the operator's fake implementation checks the shapes then,
+    and its real one calls python_call again on the real arrays."""
+    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
+    return torch is not None and torch.compiler.is_compiling()
+
+
+_VALID: set[tuple[Any, ...]] = set()  # (family, then each array's shape and dtype) of calls that passed
+_VALID_KEPT = 4096  # then forgotten all at once: shapes that change every call must not grow it without end
+
+
+def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[Any, ...]) -> bool:
+    """Whether the arrays (None: an optional one not given) were checked: their dtypes
+    (check_dtype_names) and shapes (the family's check_call_shapes), raising their errors. False
+    while torch.compile traces (the operator checks then) and where one is no array (the array
+    layer says what it is not). A signature that passed once is not checked again: a decode loop
+    pays one lookup a step."""
+    if tracing():
+        return False
+    try:
+        key = (family.name, *[None if a is None else (a.shape, a.dtype) for a in arrays])
+        if key in _VALID:
+            return True
+    except (AttributeError, TypeError):  # no array, or a shape or dtype that does not hash
+        key = None
+    facts = array_facts(dict(zip(names, arrays)))
+    if facts is None:
+        return False
+    shapes, dtypes = facts
+    check_dtype_names(who, dtypes, family.dtypes, family.input_dtypes)
+    family.check_call_shapes(who, shapes)
+    if key is not None:
+        if len(_VALID) >= _VALID_KEPT:
+            _VALID.clear()
+        _VALID.add(key)
+    return True
+
+
+def array_facts(named: Mapping[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]] | None:
+    """The shapes and dtype names (torch's without the "torch." prefix) of the given arrays (None:
+    an optional one not given), or None where one is no array at all: the array layer then says
+    what it is not."""
+    shapes, dtypes = {}, {}
+    for name, a in named.items():
+        if a is None:
+            continue
+        shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+        if shape is None or dtype is None:
+            return None
+        shapes[name], dtypes[name] = tuple(shape), str(dtype).removeprefix("torch.")
+    return shapes, dtypes
+
+
+def check_dtype_names(who: str, dtypes: Mapping[str, str], takes: tuple[str, ...],
+                      own: Mapping[str, tuple[str, ...]]) -> None:
+    """TypeError naming the first array of a wrong dtype: the first one of `takes`, those named in
+    `own` one of theirs, every other the first's."""
+    first, *rest = dtypes
+    if dtypes[first] not in takes:
+        raise TypeError(f"{who}: {first} must be {' or '.join(takes)}, got {dtypes[first]}")
+    for name in rest:
+        allowed = own.get(name, (dtypes[first],))
+        if dtypes[name] not in allowed:
+            whose = "" if name in own else f" ({first}'s dtype)"
+            raise TypeError(f"{who}: {name} must be {' or '.join(allowed)}{whose}, got {dtypes[name]}")
+
+
+def taken_as_it_is(a: Any, align: int) -> bool:
+    """Whether the array layer hands `a` to the kernel as it is (contiguous, its address a multiple
+    of `align` bytes) rather than a copy: what a kernel that writes into an input needs."""
+    if hasattr(a, "is_contiguous"):  # torch: its allocations start aligned (no data_ptr: a fake tensor has none)
+        return bool(a.is_contiguous()) and a.storage_offset() * a.element_size() % align == 0
+    flags = getattr(a, "flags", None)
+    if flags is not None and hasattr(a, "data"):  # CuPy
+        return bool(flags.c_contiguous) and a.data.ptr % align == 0
+    return True  # another DLPack producer: converted to CuPy sharing its memory, checked no further
 
 
 __all__ = ["ATTENTION_KVCACHE", "AttentionKVCacheFamily", "PAGE_SIZES"]

@@ -33,6 +33,7 @@ from . import register
 from ._attention_mma import MmaEngine
 from ._attention_wgmma import WgmmaEngine, fast_divisor, swizzle_bytes
 from .attention import ATTENTION, AttentionFamily, call_options, check_scale
+from .attention_kvcache import check_arrays
 from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap
 
 
@@ -149,14 +150,9 @@ class AttentionVarlenFamily(AttentionFamily):
         """The bucket of a call: q (total_q, Hq, D), k and v (total_k, Hkv, D), the offsets (B + 1,);
         max_seqlen_q and max_seqlen_k come in the options (the shape's N and kv_len)."""
         who = f"autosoft.{self.name}"
-        q, k, v = (tuple(shapes[n]) for n in ("q", "k", "v"))
-        cu_q, cu_k = tuple(shapes["cu_seqlens_q"]), tuple(shapes["cu_seqlens_k"])
-        if len(q) != 3 or len(k) != 3 or v != k:
-            raise ValueError(f"{who}: q must be (total_q, Hq, D) and k, v (total_k, Hkv, D) of one shape, got {q}, {k}, {v}")
-        if k[2] != q[2] or k[1] < 1 or q[1] % k[1]:
-            raise ValueError(f"{who}: k and v {k} must have q's head dim {q[2]} and a number of heads dividing {q[1]}")
-        if len(cu_q) != 1 or cu_q != cu_k or cu_q[0] < 2:
-            raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_k must both be (B + 1,) with B >= 1, got {cu_q}, {cu_k}")
+        self.check_call_shapes(who, shapes)
+        q, k = tuple(shapes["q"]), tuple(shapes["k"])
+        cu_q = tuple(shapes["cu_seqlens_q"])
         opts = dict(options)
         b = cu_q[0] - 1
         # the bounds a call names, else (a problem's own inputs) the tokens shared out evenly
@@ -168,8 +164,38 @@ class AttentionVarlenFamily(AttentionFamily):
         except UserError as exc:
             raise ValueError(f"{who}: {exc}") from None
 
+    def check_call_shapes(self, who: str, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """ValueError, naming the argument, unless the arrays' shapes make a call: q (total_q, Hq, D)
+        of a head dim the family takes, k and v (total_k, Hkv, D) with Hq a multiple of Hkv, and
+        cu_seqlens_q and cu_seqlens_k (B + 1,) for one B >= 1."""
+        q, k, v = (tuple(shapes[n]) for n in ("q", "k", "v"))
+        cu_q, cu_k = tuple(shapes["cu_seqlens_q"]), tuple(shapes["cu_seqlens_k"])
+        if len(q) != 3:
+            raise ValueError(f"{who}: q must be (total_q, Hq, D), three dims, got shape {q}")
+        if len(k) != 3:
+            raise ValueError(f"{who}: k must be (total_k, Hkv, D), three dims, got shape {k}")
+        if v != k:
+            raise ValueError(f"{who}: v must have k's shape {k}, got {v}")
+        if q[2] not in self.head_dims and 0 not in q:  # an empty call gets empty outputs, as attention's does
+            raise ValueError(f"{who}: q's head dim {q[2]} is not supported; use one of "
+                             f"{', '.join(map(str, self.head_dims))} (pad the heads to the next one)")
+        if k[2] != q[2]:
+            raise ValueError(f"{who}: k and v must have q's head dim {q[2]} (their last dim), got {k[2]}")
+        if k[1] < 1 or q[1] % k[1]:
+            raise ValueError(f"{who}: q's {q[1]} heads must be a multiple of k's and v's {k[1]} (grouped-query attention)")
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if len(cu) != 1 or cu[0] < 2:
+                raise ValueError(f"{who}: {name} must be (B + 1,) with B >= 1, the offsets of each sequence's first "
+                                 f"token and the total last, got shape {cu}")
+        if cu_q != cu_k:
+            raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_k must have one length (B + 1), got {cu_q[0]} and "
+                             f"{cu_k[0]}")
+        if k[0] == 0 and q[0] > 0:
+            raise ValueError(f"{who}: k and v hold no tokens (shape {k}), so no query has a key to attend to")
+
     def caller_outputs(self, shapes: Mapping[str, tuple[int, ...]], dtype: str,
                        options: Mapping[str, OptionValue]) -> dict[str, tuple[tuple[int, ...], str]]:
+        self.check_call_shapes(f"autosoft.{self.name}", shapes)  # also for empty inputs, which reach no Problem
         q = tuple(shapes["q"])
         return {"o": (q, dtype), "lse": (q[:2], "float32")}
 
@@ -178,11 +204,16 @@ class AttentionVarlenFamily(AttentionFamily):
     def python_call(self, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                     max_seqlen_k: int, causal: bool = False, scale: float | None = None, window: Any = None,
                     softcap: float | None = None, return_lse: bool = False) -> Call:
-        """The arrays and options of a call; autosoft.attention_varlen documents the arguments."""
+        """The arrays and options of a call; autosoft.attention_varlen documents the arguments. Shapes
+        and dtypes are checked here, before anything reaches a device, with errors naming the argument;
+        the offsets' values are the GPU's, the caller's to keep valid, as with FlashAttention."""
         who = "autosoft.attention_varlen"
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{who}: {name} must be an int >= 1 (a bound every sequence fits), got {value!r}")
+            if value < 1:
+                raise ValueError(f"{who}: {name} must be an int >= 1 (a bound every sequence fits), got {value!r}")
+        check_arrays(who, self, self.inputs[:5], (q, k, v, cu_seqlens_q, cu_seqlens_k))
         head_dim = q.shape[-1] if hasattr(q, "shape") and len(q.shape) else 1
         options = {**call_options(causal, window, softcap, who), "max_seqlen_q": int(max_seqlen_q),
                    "max_seqlen_k": int(max_seqlen_k)}

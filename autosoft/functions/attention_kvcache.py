@@ -33,7 +33,10 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, bl
     The lengths are read on the GPU: nothing synchronises with the host, so a call captured in a
     CUDA graph replays correctly as cache_seqlens changes, within the bucket it was made for
     (the same B, heads, Nq, Nnew, page size and block_table width). The host checks shapes and
-    dtypes only; lengths past the cache, or pages past the pool, are the caller's to avoid."""
+    dtypes, before anything reaches the GPU (TypeError or ValueError naming the argument), and with
+    k_new that k_cache and v_cache are contiguous (they are written in place: a copy would lose the
+    new tokens). The values on the GPU are the caller's to keep valid, as with FlashAttention:
+    lengths past the cache, block_table entries past the pool."""
     call = ATTENTION_KVCACHE.python_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal,
                                          scale, window, softcap, return_lse)
     if through_operator(*call.arrays):  # torch.compile sees one operator; gradients are refused there

@@ -24,7 +24,10 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     tuned variant, the bucket). Query i of a sequence of Nq queries and Nkv keys stands at key
     i + Nkv - Nq (bottom-right); causal, window and softcap as autosoft.attention's; scale defaults
     to 1/sqrt(D). Returns o (total_q, Hq, D), and with return_lse=True lse (Hq, total_q) float32,
-    a view of the kernel's (total_q, Hq). The offsets are read on the GPU; the host checks shapes.
+    a view of the kernel's (total_q, Hq). The host checks shapes and dtypes before anything reaches
+    the GPU (TypeError or ValueError naming the argument). The offsets are read on the GPU and are
+    the caller's to keep valid, as with FlashAttention: increasing, within q's and k's tokens, and
+    no sequence longer than max_seqlen_q queries or max_seqlen_k keys.
     While torch.compile traces, the call is the operator torch.ops.autosoft.attention_varlen; it
     has no backward (tensors that require gradients while autograd records are refused)."""
     call = ATTENTION_VARLEN.python_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
