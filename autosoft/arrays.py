@@ -17,6 +17,7 @@ compile a kernel the store lacks or to verify a choice not tuned for this very p
 """
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -200,11 +201,19 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     shapes = {n: tuple(int(s) for s in a.shape) for n, a in given}
     outputs = family.caller_outputs(shapes, dtype, options)
     if any(fw.size(a) == 0 for _, a in given):
+        # nothing to compute from: an output that is not empty itself (attention's o over no key,
+        # the backward's dk over no query) holds the family's value for that (Family.empty_values)
+        fills = tuple(family.empty_values.get(name, 0.0) if math.prod(shape) else None
+                      for name, (shape, _) in outputs.items())
+
         def empty(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
             outs = [fw.empty(shape, dt, device, 0) for shape, dt in outputs.values()]
             if given is not None:
                 fw.check_out(given, next(iter(outputs.values())), device, 0)
                 outs[0] = given
+            for out, value in zip(outs, fills):
+                if value is not None:
+                    fw.fill(out, value)
             return tuple(outs)
         return empty
     problem = family.problem_for(shapes, dtype, options)
@@ -258,6 +267,7 @@ class _Framework:
     def ptr(self, a: Any) -> int: ...
     def fix(self, a: Any, align: int) -> Any: ...
     def empty(self, shape: tuple[int, ...], dtype: str, device: int, like_ptr: int) -> Any: ...
+    def fill(self, out: Any, value: float) -> None: ...
     def stream(self, device: int) -> int: ...
 
     def plan(self, launch: Callable[..., None], specs: tuple[tuple[tuple[int, ...], str], ...], device: int,
@@ -473,6 +483,9 @@ class _TorchArrays(_Framework):
         misalign = like_ptr % VEC_ALIGN
         return out if misalign == out.data_ptr() % VEC_ALIGN else self._realigned(out, misalign)
 
+    def fill(self, out: Any, value: float) -> None:
+        out.fill_(value)
+
     def _realigned(self, out: Any, misalign: int) -> Any:
         """A tensor like `out` whose address is `misalign` past a multiple of 16 bytes."""
         itemsize = out.element_size()
@@ -529,6 +542,10 @@ class _CupyArrays(_Framework):
             flat = cp.empty(out.size + VEC_ALIGN // out.itemsize, dtype=dtype)
             start = misalign // out.itemsize
             return flat[start:start + out.size].reshape(shape)
+
+    def fill(self, out: Any, value: float) -> None:
+        with out.device:
+            out.fill(value)
 
     def stream(self, device: int) -> int:
         cp = self.cp

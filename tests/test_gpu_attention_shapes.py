@@ -449,3 +449,20 @@ def test_splits_merged_in_a_cluster_are_correct(shape, dtype, options):
     assert points
     failures = _wrong_points(family, problem, target, points, seeds=(5, 6))
     assert not failures, "\n".join(failures)
+
+
+def test_no_key_gives_zero_and_minus_infinity_and_no_query_zero_key_gradients():
+    """Empty inputs launch nothing: attention over no key gives o = 0 and lse = -inf (as a row that
+    sees no key does); the backward of a call with no query gives dk = dv = 0, through autograd."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    q = torch.randn(1, 2, 4, 64, device="cuda", dtype=torch.float16)
+    kv = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.float16)
+    o, lse = autosoft.attention(q, kv, kv, return_lse=True)
+    assert o.shape == q.shape and not o.any()
+    assert torch.isneginf(lse).all()
+    q = torch.randn(1, 2, 0, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 6, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    autosoft.attention(q, k, v).sum().backward()
+    assert k.grad is not None and not k.grad.any() and not v.grad.any()

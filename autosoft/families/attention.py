@@ -63,6 +63,7 @@ class AttentionFamily(Family):
     template = "attention/attention.cu.j2"
     inputs = ("q", "k", "v", "scale")
     outputs = ("o", "lse")
+    empty_values = {"lse": float("-inf")}  # no key: o = 0 and lse = -inf, as for a query that sees none
     strided_inputs = ("q", "k", "v")
     head_dims: tuple[int, ...] = HEAD_DIMS
     input_kinds = ("normal", "normal_x10", "equal", "strided")

@@ -48,6 +48,7 @@ class AttentionColsumFamily(AttentionFamily):
     template = "attention_colsum/attention_colsum.cu.j2"
     template_folders = ("attention",)  # the attention kernel it extends
     outputs = ("o", "colsum", "lse")
+    empty_values = {"lse": float("-inf")}  # no key: o = 0 and lse = -inf; no query: column sums 0
     strided_inputs = ()   # contiguous q, k, v: the key-major kernel takes no strides
     head_dims = (32, 64, 128)
     input_kinds = ("normal", "normal_x10", "equal")

@@ -252,6 +252,10 @@ class Family(abc.ABC):
     (arrays first; scalars bound at run time, such as "scale", after them)."""
     outputs: ClassVar[tuple[str, ...]]
     """Names of the buffers a variant writes; `output_specs` gives their shapes and dtypes."""
+    empty_values: ClassVar[Mapping[str, float]] = {}
+    """What an output holds where an empty input leaves nothing to compute it from (keys: output
+    names; the others hold 0): attention's lse over no key is -inf, the sum over no element 0. The
+    array layer fills outputs with it when some input is empty and the output is not."""
     input_kinds: ClassVar[tuple[str, ...]]
     """The kinds of random input `make_inputs` makes for verification (e.g. "normal", "neg_inf")."""
     input_alignment: ClassVar[int] = 16
