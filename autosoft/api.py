@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload

@@ -36,7 +36,6 @@ import numpy as np
 from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
 from ..operators import Backward, OperatorCall, TorchOperator
-from ..space import ParamValue
 from . import register
 from ._attention_mma import MmaEngine
 from ._attention_wgmma import WgmmaEngine, fast_divisor
