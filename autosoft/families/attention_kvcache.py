@@ -32,7 +32,7 @@ from ..operators import OperatorCall, TorchOperator
 from ..errors import UserError
 from . import register
 from ._attention_mma import MmaEngine
-from .attention import ATTENTION, AttentionFamily, call_options, check_scale
+from .attention import ATTENTION, AttentionFamily, call_options, check_scale, operator_window
 from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target
 
 PAGE_SIZES = (0, 1, 16, 32, 64, 128, 256)
@@ -492,9 +492,8 @@ def _operator_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block
                    v_new: Any = None, causal: bool = True, scale: float | None = None, window_left: int | None = None,
                    window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
     """What autosoft.attention_kvcache runs for the same arguments (window=(window_left, window_right))."""
-    window = None if window_left is None and window_right is None else (window_left, window_right)
     call = ATTENTION_KVCACHE.python_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale,
-                                         window, softcap)
+                                         operator_window(window_left, window_right), softcap)
     return OperatorCall(call.arrays, call.options, call.scalars)
 
 
