@@ -27,8 +27,8 @@ from ..errors import UserError
 from ..operators import OperatorCall, TorchOperator
 from . import register
 from ._attention_mma import MmaEngine
+from ._host_checks import check_arrays
 from .attention import ATTENTION, AttentionFamily, call_options, check_scale, operator_window
-from .attention_kvcache import check_arrays
 from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target
 
 
