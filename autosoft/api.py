@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
@@ -229,6 +228,17 @@ def _public_function(name: str) -> Callable[..., Any] | None:
     return None
 
 
+def run_call(name: str, inputs: tuple[str, ...], call: Any, traced: bool = True) -> tuple[Any, ...]:
+    """The outputs of the family `name` for a call (Family.python_call's Call): through its torch
+    operator where it has one (`traced`) and through_operator says so (torch.compile traces, or
+    autograd records), else through the array layer."""
+    if traced and through_operator(*call.arrays):
+        from . import torch_ops
+
+        return torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)
+    return call_family(name, call.arrays, options=call.options, scalars=call.scalars)
+
+
 @functools.lru_cache(maxsize=None)
 def family_function(name: str) -> Callable[..., Any]:
     """autosoft.<name>: the Python function of the family `name`, built from its python_call (its
@@ -253,13 +263,7 @@ def family_function(name: str) -> Callable[..., Any]:
     @functools.wraps(python_call)
     def function(*args: Any, **kwargs: Any) -> Any:
         call = python_call(*args, **kwargs)
-        if traced and through_operator(*call.arrays):
-            from . import torch_ops
-
-            produced = torch_ops.call_operator(name, inputs, call.arrays, call.options, call.scalars)
-        else:
-            produced = call_family(name, call.arrays, options=call.options, scalars=call.scalars)
-        results = dict(zip(outputs, produced))
+        results = dict(zip(outputs, run_call(name, inputs, call, traced)))
         picked = tuple(results[n] for n in call.returns)
         return picked[0] if len(picked) == 1 else picked
 

@@ -1,7 +1,8 @@
 """The family registry: families register themselves by name.
 
 Every module of this package except `base` and the private ones (`_rows`: what the row-wise
-families share) defines one family and calls `register(...)` at its end; the registry imports
+families share; `_host_checks`: what the serving families check on the host; the engines)
+defines one family and calls `register(...)` at its end; the registry imports
 them all on first use, so a new built-in family is a new module here and nothing else. Other
 packages add families through the `autosoft.families` entry-point group:
 

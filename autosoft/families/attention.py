@@ -36,7 +36,6 @@ import numpy as np
 from ..dtypes import ITEMSIZE, to_float64, to_storage
 from ..errors import UserError
 from ..operators import Backward, OperatorCall, TorchOperator
-from ..space import ParamValue
 from . import register
 from ._attention_mma import MmaEngine
 from ._attention_wgmma import WgmmaEngine, fast_divisor
@@ -478,20 +477,24 @@ def reference(problem: Problem, inputs: Mapping[str, Any], xp: Any, precision: A
     return o.reshape(b, h, n, d), lse.reshape(b, h, n)
 
 
-__all__ = ["ATTENTION", "AttentionFamily", "call_options", "check_scale", "fast_divisor", "key_bounds", "reference", "softcap_fits",
-           "visible_pairs"]
+__all__ = ["ATTENTION", "AttentionFamily", "call_options", "check_scale", "fast_divisor", "key_bounds", "operator_window",
+           "reference", "softcap_fits", "visible_pairs"]
 
 ATTENTION = register(AttentionFamily())
 
 
 # --- the torch operator (autosoft.torch_ops registers it) ---------------------------------------
 
+def operator_window(window_left: int | None, window_right: int | None) -> tuple[Any, Any] | None:
+    """The `window` argument of a call from an operator's two (a schema has no tuple of optionals)."""
+    return None if window_left is None and window_right is None else (window_left, window_right)
+
+
 def _operator_call(q: Any, k: Any, v: Any, causal: bool, scale: float, window_left: int | None = None,
                    window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
     """What autosoft.attention runs for the same arguments (window=(window_left, window_right))."""
     scale = check_scale(scale, q.shape[-1], "autosoft.attention")
-    window = None if window_left is None and window_right is None else (window_left, window_right)
-    return OperatorCall((q, k, v), call_options(causal, window, softcap), {"scale": np.float32(scale)})
+    return OperatorCall((q, k, v), call_options(causal, operator_window(window_left, window_right), softcap), {"scale": np.float32(scale)})
 
 
 def _gradient(ops: Any, saved: Mapping[str, Any], grads: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -30,7 +30,7 @@ from ..operators import OperatorCall, TorchOperator
 from . import register
 from ._attention_backward_mma import MmaBackwardEngine
 from ._attention_backward_wgmma import WgmmaBackwardEngine
-from .attention import AttentionFamily, _kv, call_options, check_scale, key_bounds, reference
+from .attention import AttentionFamily, _kv, call_options, check_scale, key_bounds, operator_window, reference
 from .base import Call, Problem, ProblemOption, Target
 
 # ||g - ref|| / ||ref|| for each gradient; a single row may be off by ROW_FACTOR times more (with
@@ -285,8 +285,8 @@ def _operator_call(q: Any, k: Any, v: Any, o: Any, do: Any, lse: Any, dlse: Any,
                    window_left: int | None = None, window_right: int | None = None, softcap: float | None = None,
                    deterministic: bool = False) -> OperatorCall:
     """What autosoft.attention_backward runs for the same arguments (window=(window_left, window_right))."""
-    window = None if window_left is None and window_right is None else (window_left, window_right)
-    options, scale_value = _checked(causal, scale, q.shape[-1], window, softcap, deterministic)
+    options, scale_value = _checked(causal, scale, q.shape[-1], operator_window(window_left, window_right), softcap,
+                                    deterministic)
     return OperatorCall((q, k, v, o, do, lse, dlse), options, {"scale": scale_value})
 
 

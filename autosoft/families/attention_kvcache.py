@@ -21,7 +21,6 @@ the append.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -32,7 +31,8 @@ from ..operators import OperatorCall, TorchOperator
 from ..errors import UserError
 from . import register
 from ._attention_mma import MmaEngine
-from .attention import ATTENTION, AttentionFamily, call_options, check_scale
+from ._host_checks import check_arrays, taken_as_it_is
+from .attention import ATTENTION, AttentionFamily, call_options, check_scale, operator_window
 from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target
 
 PAGE_SIZES = (0, 1, 16, 32, 64, 128, 256)
@@ -400,86 +400,6 @@ class AttentionKVCacheFamily(AttentionFamily):
         return ATTENTION.problem(f"1,{h},{n},{d}", problem.dtype, {**opts, "kv_len": length})
 
 
-# --- the host-side checks of a call's arrays (both serving functions') ---------------------------
-
-def tracing() -> bool:
-    """Whether torch.compile traces: the operator's fake implementation checks the shapes then,
-    and its real one calls python_call again on the real arrays."""
-    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
-    return torch is not None and torch.compiler.is_compiling()
-
-
-_VALID: set[tuple[Any, ...]] = set()  # (family, then each array's shape and dtype) of calls that passed
-_VALID_KEPT = 4096  # then forgotten all at once: shapes that change every call must not grow it without end
-
-
-def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[Any, ...]) -> bool:
-    """Whether the arrays (None: an optional one not given) were checked: their dtypes
-    (check_dtype_names) and shapes (the family's check_call_shapes), raising their errors. False
-    while torch.compile traces (the operator checks then) and where one is no array (the array
-    layer says what it is not). A signature that passed once is not checked again: a decode loop
-    pays one lookup a step."""
-    if tracing():
-        return False
-    try:
-        key = (family.name, *[None if a is None else (a.shape, a.dtype) for a in arrays])
-        if key in _VALID:
-            return True
-    except (AttributeError, TypeError):  # no array, or a shape or dtype that does not hash
-        key = None
-    facts = array_facts(dict(zip(names, arrays)))
-    if facts is None:
-        return False
-    shapes, dtypes = facts
-    check_dtype_names(who, dtypes, family.dtypes, family.input_dtypes)
-    family.check_call_shapes(who, shapes)
-    if key is not None:
-        if len(_VALID) >= _VALID_KEPT:
-            _VALID.clear()
-        _VALID.add(key)
-    return True
-
-
-def array_facts(named: Mapping[str, Any]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]] | None:
-    """The shapes and dtype names (torch's without the "torch." prefix) of the given arrays (None:
-    an optional one not given), or None where one is no array at all: the array layer then says
-    what it is not."""
-    shapes, dtypes = {}, {}
-    for name, a in named.items():
-        if a is None:
-            continue
-        shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
-        if shape is None or dtype is None:
-            return None
-        shapes[name], dtypes[name] = tuple(shape), str(dtype).removeprefix("torch.")
-    return shapes, dtypes
-
-
-def check_dtype_names(who: str, dtypes: Mapping[str, str], takes: tuple[str, ...],
-                      own: Mapping[str, tuple[str, ...]]) -> None:
-    """TypeError naming the first array of a wrong dtype: the first one of `takes`, those named in
-    `own` one of theirs, every other the first's."""
-    first, *rest = dtypes
-    if dtypes[first] not in takes:
-        raise TypeError(f"{who}: {first} must be {' or '.join(takes)}, got {dtypes[first]}")
-    for name in rest:
-        allowed = own.get(name, (dtypes[first],))
-        if dtypes[name] not in allowed:
-            whose = "" if name in own else f" ({first}'s dtype)"
-            raise TypeError(f"{who}: {name} must be {' or '.join(allowed)}{whose}, got {dtypes[name]}")
-
-
-def taken_as_it_is(a: Any, align: int) -> bool:
-    """Whether the array layer hands `a` to the kernel as it is (contiguous, its address a multiple
-    of `align` bytes) rather than a copy: what a kernel that writes into an input needs."""
-    if hasattr(a, "is_contiguous"):  # torch: its allocations start aligned (no data_ptr: a fake tensor has none)
-        return bool(a.is_contiguous()) and a.storage_offset() * a.element_size() % align == 0
-    flags = getattr(a, "flags", None)
-    if flags is not None and hasattr(a, "data"):  # CuPy
-        return bool(flags.c_contiguous) and a.data.ptr % align == 0
-    return True  # another DLPack producer: converted to CuPy sharing its memory, checked no further
-
-
 __all__ = ["ATTENTION_KVCACHE", "AttentionKVCacheFamily", "PAGE_SIZES"]
 
 AttentionKVCacheFamily.public_functions = ("autosoft.functions.attention_kvcache:attention_kvcache",)
@@ -492,9 +412,8 @@ def _operator_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block
                    v_new: Any = None, causal: bool = True, scale: float | None = None, window_left: int | None = None,
                    window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
     """What autosoft.attention_kvcache runs for the same arguments (window=(window_left, window_right))."""
-    window = None if window_left is None and window_right is None else (window_left, window_right)
     call = ATTENTION_KVCACHE.python_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale,
-                                         window, softcap)
+                                         operator_window(window_left, window_right), softcap)
     return OperatorCall(call.arrays, call.options, call.scalars)
 
 

@@ -32,8 +32,8 @@ from ..space import ParamValue
 from . import register
 from ._attention_mma import MmaEngine
 from ._attention_wgmma import WgmmaEngine, fast_divisor, swizzle_bytes
-from .attention import ATTENTION, AttentionFamily, call_options, check_scale
-from .attention_kvcache import check_arrays
+from ._host_checks import check_arrays
+from .attention import ATTENTION, AttentionFamily, call_options, check_scale, operator_window
 from .base import Call, Family, Launch, OptionValue, Problem, ProblemOption, Target, TensorMap
 
 
@@ -300,9 +300,8 @@ def _operator_call(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                    max_seqlen_k: int, causal: bool, scale: float, window_left: int | None = None,
                    window_right: int | None = None, softcap: float | None = None) -> OperatorCall:
     """What autosoft.attention_varlen runs for the same arguments (window=(window_left, window_right))."""
-    window = None if window_left is None and window_right is None else (window_left, window_right)
     call = ATTENTION_VARLEN.python_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                        scale, window, softcap)
+                                        scale, operator_window(window_left, window_right), softcap)
     return OperatorCall(call.arrays, call.options, call.scalars)
 
 

@@ -20,8 +20,6 @@ with autograd) are in autosoft/functions/cross_entropy.py.
 from __future__ import annotations
 
 import math
-import sys
-import threading
 from typing import Any, Mapping
 
 import numpy as np

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arrays import call_family
-from ..autograd import through_operator
+from ..api import run_call
 from ..families.attention_kvcache import ATTENTION_KVCACHE
 
 __all__ = ["attention_kvcache"]
@@ -39,12 +38,6 @@ def attention_kvcache(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, bl
     lengths past the cache, block_table entries past the pool."""
     call = ATTENTION_KVCACHE.python_call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal,
                                          scale, window, softcap, return_lse)
-    if through_operator(*call.arrays):  # torch.compile sees one operator; gradients are refused there
-        from .. import torch_ops
-
-        o, lse = torch_ops.call_operator("attention_kvcache", ATTENTION_KVCACHE.inputs, call.arrays, call.options,
-                                         call.scalars)
-    else:
-        o, lse = call_family("attention_kvcache", call.arrays, options=call.options, scalars=call.scalars)
+    o, lse = run_call("attention_kvcache", ATTENTION_KVCACHE.inputs, call)  # torch.compile: one operator
     o = o.swapaxes(1, 2)  # (B, Hq, Nq, D) as the kernel writes it, seen as (B, Nq, Hq, D)
     return (o, lse) if return_lse else o

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..autograd import through_operator
-from ..arrays import call_family
+from ..api import run_call
 from ..families.attention_varlen import ATTENTION_VARLEN
 
 __all__ = ["attention_varlen"]
@@ -32,11 +31,5 @@ def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: An
     has no backward (tensors that require gradients while autograd records are refused)."""
     call = ATTENTION_VARLEN.python_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        scale, window, softcap, return_lse)
-    if through_operator(*call.arrays):  # torch.compile sees one operator; gradients are refused there
-        from .. import torch_ops
-
-        o, lse = torch_ops.call_operator("attention_varlen", ATTENTION_VARLEN.inputs, call.arrays, call.options,
-                                         call.scalars)
-    else:
-        o, lse = call_family("attention_varlen", call.arrays, options=call.options, scalars=call.scalars)
+    o, lse = run_call("attention_varlen", ATTENTION_VARLEN.inputs, call)  # torch.compile: one operator
     return (o, lse.T) if return_lse else o
