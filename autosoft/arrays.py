@@ -404,15 +404,20 @@ class _TorchArrays(_Framework):
         def plan(arrays: Sequence[Any], scalars: tuple[Any, ...], given: Any = None) -> tuple[Any, ...]:
             ptrs = []
             strides = []
+            copies = []  # held until the launch: a copy let go would give its block to the next one
             for i, a in enumerate(arrays):
                 if a is None:  # an optional input not given: a null pointer
                     ptrs.append(0)
                     continue
                 if i in strided:
-                    a = fix_strided(a, align)
-                    strides += strides_of(a)
+                    fixed = fix_strided(a, align)
+                    strides += strides_of(fixed)
+                    if fixed is not a:
+                        copies.append(fixed)
+                    a = fixed
                 elif not a.is_contiguous() or (align > 1 and a.data_ptr() % align):
                     a = a.clone(memory_format=contiguous)  # a fresh block is 256-byte aligned
+                    copies.append(a)
                 ptrs.append(a.data_ptr())
             if strides:
                 scalars = (*scalars, *strides)

@@ -267,3 +267,19 @@ def test_public_api_matches_sdpa_and_returns_lse(dtype, causal, cache_dir):
         autosoft.attention(q.float(), k.float(), v.float())
     with pytest.raises(ValueError, match="scale"):
         autosoft.attention(q, k, v, scale=-1.0)
+
+
+def test_inputs_the_call_must_copy_each_keep_their_own_copy_until_the_launch(cache_dir):
+    """q, k and v whose rows are not 16-byte aligned (a head dim of 64 padded to 65) are copied
+    before the launch; each copy is held until the kernel has read it, so none is handed to the
+    next one's allocation (k and v read from one block would give attention over v as keys)."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+
+    autosoft.api.DISPATCHER.forget()
+    padded = [torch.randn(2, 3, 200, 65, device="cuda", dtype=torch.float16) for _ in range(3)]
+    q, k, v = (t[..., :64] for t in padded)
+    assert not q.is_contiguous() and q.stride(-2) * 2 % 16
+    o = autosoft.attention(q, k, v)
+    expected = autosoft.attention(q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(o, expected)
