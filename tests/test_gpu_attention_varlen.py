@@ -102,12 +102,15 @@ def test_wgmma_engine_matches_the_reference_and_writes_only_the_batch_s_rows(dty
     rng = np.random.default_rng(11)
     total_q, total_k = sum(queries), sum(key_counts)
     offsets = [np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (queries, key_counts)]
-    inputs = {"q": to_storage(rng.standard_normal((total_q + SPARE, hq, d), dtype=np.float32), dtype, cp),
-              "k": to_storage(rng.standard_normal((total_k + SPARE, hkv, d), dtype=np.float32), dtype, cp),
-              "v": to_storage(rng.standard_normal((total_k + SPARE, hkv, d), dtype=np.float32), dtype, cp),
+    def stored(x32):  # to_storage works on the host: the device gets its bits
+        return cp.asarray(to_storage(x32, dtype, np))
+
+    inputs = {"q": stored(rng.standard_normal((total_q + SPARE, hq, d), dtype=np.float32)),
+              "k": stored(rng.standard_normal((total_k + SPARE, hkv, d), dtype=np.float32)),
+              "v": stored(rng.standard_normal((total_k + SPARE, hkv, d), dtype=np.float32)),
               "cu_seqlens_q": cp.asarray(offsets[0]), "cu_seqlens_k": cp.asarray(offsets[1]),
               "scale": np.float32(1 / math.sqrt(d))}
-    poison_o = to_storage(np.full((total_q + SPARE, hq, d), np.nan, dtype=np.float32), dtype, cp)
+    poison_o = stored(np.full((total_q + SPARE, hq, d), np.nan, dtype=np.float32))
     for params in _wgmma_points(problem, target, 2):
         loaded = loaded_variant(FAMILY, problem, params)
         outputs = {"o": poison_o.copy(), "lse": cp.full((total_q + SPARE, hq), cp.nan, dtype=cp.float32)}
