@@ -84,31 +84,38 @@ def test_deterministic_problems_take_ordered_adds_only():
     target = Target.for_arch("90")
     problem = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "deterministic": True})
     default = FAMILY.default_params(problem, target)
-    assert default["dq_add"] == "ordered"
+    assert default["dq_add"] == "writer_ordered"
     assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "atomic"})
     assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "writer"})
     seeds = FAMILY.seed_params(problem, target)
     assert all(p["dq_add"] in ("ordered", "writer_ordered") for p in seeds)
-    assert seeds[0]["dq_add"] == "writer_ordered"
+    assert seeds[0]["dq_add"] == "ordered"
 
 
-@pytest.mark.parametrize("shape, options, dq_add", [
-    ("4,16,4096,128", {}, "writer"), ("2,16,8192,64", {"causal": True}, "writer"),
-    ("2,16,8192,64", {"causal": True, "deterministic": True}, "writer_ordered")])
-def test_the_dq_writer_is_the_first_seed_where_it_fits(shape, options, dq_add):
-    """The writer warp's form of the wgmma default is tried first (it is not the default until it
-    is measured); at D = 128 with two consumers its two dQ tiles leave no room for a second dS^T
-    buffer, so its seed takes one, and the variant is named for it."""
+@pytest.mark.parametrize("shape, options, default_add, seed_add", [
+    ("4,16,4096,128", {}, "writer", "atomic"), ("2,16,8192,64", {"causal": True}, "atomic", "writer"),
+    ("2,16,8192,64", {"causal": True, "deterministic": True}, "writer_ordered", "ordered"),
+    ("4,16,4096,128", {"deterministic": True}, "writer_ordered", "ordered")])
+def test_the_dq_writer_is_the_default_at_head_dim_128_and_when_ordered(shape, options, default_add, seed_add):
+    """The writer warp adds dQ by default where a consumer's dQ tile is 128 wide or the adds must be
+    ordered (the consumers' atomics at D = 64 otherwise); the first seed is the other way. At D =
+    128 with two consumers the writer's two dQ tiles leave no room for a second dS^T buffer, so it
+    takes one; the variant is named for its adds and holds the bulk reduce only with the writer."""
     target = Target.for_arch("90")
     problem = FAMILY.problem(shape, "bfloat16", options)
     default = FAMILY.default_params(problem, target)
-    assert default["engine"] == "wgmma" and default["dq_add"] in ("atomic", "ordered")
+    assert default["engine"] == "wgmma" and default["dq_add"] == default_add and default["block_n"] == 128
     first = FAMILY.seed_params(problem, target)[0]
-    assert first["dq_add"] == dq_add
-    assert first["ds_buffers"] == (1 if problem.shape[3] == 128 else 2)
-    variant = build_variant(FAMILY, problem, first, target)
-    assert variant.name.endswith("_dqw" + ("_ordered" if dq_add == "writer_ordered" else ""))
-    assert "cp.reduce.async.bulk" in variant.source and "red.global.add" not in variant.source
+    assert first["dq_add"] == seed_add
+    writer = default if default_add.startswith("writer") else first
+    assert writer["ds_buffers"] == (1 if problem.shape[3] == 128 else 2)
+    for params in (default, first):
+        variant = build_variant(FAMILY, problem, params, target)
+        by_writer = str(params["dq_add"]).startswith("writer")
+        suffix = {"atomic": "", "ordered": "_ordered", "writer": "_dqw", "writer_ordered": "_dqw_ordered"}
+        assert variant.name.endswith(suffix[str(params["dq_add"])])
+        assert ("cp.reduce.async.bulk" in variant.source) == by_writer
+        assert ("red.global.add" in variant.source) != by_writer
 
 
 def test_launches_name_dlse_only_with_an_lse_gradient():

@@ -63,27 +63,34 @@ class WgmmaBackwardEngine(Engine):
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
         """Two consumers (128 keys) and two Q/dO stages, as FlashAttention-3 takes for D 64 and 128,
         with two dS^T buffers where they fit; one consumer where 128 keys are more than twice the
-        keys there are; key tiles slowest under a causal mask (the heaviest blocks first). None
-        where no point is valid (the mma engine's default then)."""
-        ordered = "ordered" if "deterministic" in problem.flags else "atomic"
+        keys there are; key tiles slowest under a causal mask (the heaviest blocks first). dQ added
+        by the writer warp where a consumer's dQ tile is widest (head dim 128 and more) or the adds
+        must be ordered, and where its tiles fit; else by the consumers' atomics. None where no
+        point is valid (the mma engine's default then)."""
+        deterministic = "deterministic" in problem.flags
+        plain = "ordered" if deterministic else "atomic"
+        writer = "writer_ordered" if deterministic else "writer"
+        adders = (writer, plain) if deterministic or problem.shape[3] >= 128 else (plain,)
         order = "heads" if "causal" in problem.flags else "keys"
-        for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
-                  {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
-            p = {**p, "tile_order": order, "dq_add": ordered}
-            if self.is_valid(problem, target, p):
-                return p
+        for dq_add in adders:
+            for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
+                      {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
+                p = {**p, "tile_order": order, "dq_add": dq_add}
+                if self.is_valid(problem, target, p):
+                    return p
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then dQ added by the writer warp (with
-        one dS^T buffer where two leave no room for its tiles), one dS^T buffer, the other block
-        order, the other tile and stage counts."""
+        """Its default (where the family's is another engine's), then the other way of adding dQ
+        (the writer warp or the consumers, with one dS^T buffer where two leave no room for the
+        writer's tiles), one dS^T buffer, the other block order, the other tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
         other_order = "keys" if own["tile_order"] == "heads" else "heads"
-        writer = "writer_ordered" if own["dq_add"] == "ordered" else "writer"
-        changes = ({"dq_add": writer}, {"dq_add": writer, "ds_buffers": 1}, {"ds_buffers": 1},
+        other_add = {"atomic": "writer", "writer": "atomic", "ordered": "writer_ordered",
+                     "writer_ordered": "ordered"}[str(own["dq_add"])]
+        changes = ({"dq_add": other_add}, {"dq_add": other_add, "ds_buffers": 1}, {"ds_buffers": 1},
                    {"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
         neighbours = self.valid_neighbours(problem, target, own, changes)
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
