@@ -95,7 +95,7 @@ def test_ordered_dq_is_the_same_bits_on_every_run(shape, dq_add):
     target = _target()
     problem = FAMILY.problem(shape, "bfloat16", {"causal": True, "kv_heads": 2, "deterministic": True})
     default = FAMILY.default_params(problem, target)
-    assert default["dq_add"] == "ordered"
+    assert default["dq_add"] == "writer_ordered"  # the writer thread by default where the adds are ordered
     params = _with_dq_add(problem, target, default, dq_add)
     assert params is not None
     atomic = {**default, "dq_add": "atomic"}
