@@ -119,8 +119,8 @@ class WgmmaEngine(Engine):
         Without a mask the blocks are persistent (at D = 256 one block per tile: two Q buffers do
         not fit beside the K/V ring); causal with at most 32 heads orders the tiles longest first
         across heads; causal rows of up to 1024 keys at D = 64 run persistent blocks that take
-        their tiles from a queue (10 to 14 % faster there); at D = 128 persistent ping-pong blocks
-        chain their tiles (the next tile's first S issued with the last P.V: 1 to 2 % faster).
+        their tiles from a queue (10 to 14 % faster there); persistent ping-pong blocks chain their
+        tiles (the next tile's first S issued with the last P.V).
         Among the variants timed on an H200 (bf16: 4x16x4096x128,
         8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
         16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
@@ -150,12 +150,12 @@ class WgmmaEngine(Engine):
         wide = d == 64 and n > 96  # three consumer warpgroups
         # causal with few heads: the tail of light tiles weighs, so order longest first across heads
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
-        # two ping-pong consumers with a next tile (persistent, D = 128): the next tile's first S
-        # issued with the last P.V (bf16 on an H200, 4x16x4096x128 and 8x32x2048x128 full: 1 to 2 %
-        # faster; with one or three consumers at D = 64, 2 to 8 % slower)
+        # two ping-pong consumers with a next tile (persistent): the next tile's first S issued with
+        # the last P.V; faster or level at every head dim that has them (BENCHMARKS.md, issue 42),
+        # slower with one or three consumers at D = 64
         p = self._point({**base, "block_m": 192 if wide else 128, "pingpong": not wide, "blocks_per_sm": 1,
                          "lpt": "causal" in problem.flags and b * h <= 32,
-                         "chain": d == 128 and not wide and bool(base["persistent"])})
+                         "chain": not wide and bool(base["persistent"])})
         # where two Q buffers do not fit beside the K/V ring (D = 256), one block per tile
         for point in (p, self._point({**p, "persistent": False, "chain": False})):
             if self.is_valid(problem, target, point):
