@@ -84,7 +84,7 @@ class WgmmaBackwardEngine(Engine):
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
         """Its default (where the family's is another engine's), then 128 queries a step (with
-        one dS^T buffer where two leave no room), the other way of adding dQ (the writer warp or
+        one dS^T buffer, or the other way of adding dQ, where the first leaves no room), the other way of adding dQ (the writer warp or
         the consumers, with one dS^T buffer where two leave no room for the writer's tiles), one
         dS^T buffer, the other block order, the other tile and stage counts."""
         own = self.default_params(problem, target)
@@ -95,6 +95,7 @@ class WgmmaBackwardEngine(Engine):
                      "writer_ordered": "ordered"}[str(own["dq_add"])]
         changes = ({"dq_add": other_add}, {"dq_add": other_add, "ds_buffers": 1}, {"ds_buffers": 1},
                    {"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
-        wide = self.valid_neighbours(problem, target, own, ({"block_m": 128}, {"block_m": 128, "ds_buffers": 1}))[:1]
+        wide = self.valid_neighbours(problem, target, own, ({"block_m": 128}, {"block_m": 128, "ds_buffers": 1},
+                                                            {"block_m": 128, "dq_add": other_add}))[:1]
         neighbours = wide + [p for p in self.valid_neighbours(problem, target, own, changes) if p not in wide]
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
