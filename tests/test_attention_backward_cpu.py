@@ -14,7 +14,7 @@ from autosoft.dtypes import to_float64
 from autosoft.families import get_family
 from autosoft.families.attention import reference
 from autosoft.families.attention_backward import reference_gradients
-from autosoft.families.base import Target, build_variant
+from autosoft.families.base import Target, build_variant, space_of
 
 FAMILY = get_family("attention_backward")
 
@@ -100,12 +100,13 @@ def test_the_dq_writer_is_the_default_at_head_dim_128_and_when_ordered(shape, op
     """The writer warp adds dQ by default where a consumer's dQ tile is 128 wide or the adds must be
     ordered (the consumers' atomics at D = 64 otherwise); the first seed is the other way. At D =
     128 with two consumers the writer's two dQ tiles leave no room for a second dS^T buffer, so it
-    takes one; the variant is named for its adds and holds the bulk reduce only with the writer."""
+    takes one; the variant is named for its adds and holds the bulk reduce only with the writer.
+    (The first seed of 64 queries a step: at D = 64 one of 128 comes before it.)"""
     target = Target.for_arch("90")
     problem = FAMILY.problem(shape, "bfloat16", options)
     default = FAMILY.default_params(problem, target)
     assert default["engine"] == "wgmma" and default["dq_add"] == default_add and default["block_n"] == 128
-    first = FAMILY.seed_params(problem, target)[0]
+    first = next(p for p in FAMILY.seed_params(problem, target) if p["block_m"] == 64)
     assert first["dq_add"] == seed_add
     writer = default if default_add.startswith("writer") else first
     assert writer["ds_buffers"] == (1 if problem.shape[3] == 128 else 2)
@@ -116,6 +117,37 @@ def test_the_dq_writer_is_the_default_at_head_dim_128_and_when_ordered(shape, op
         assert variant.name.endswith(suffix[str(params["dq_add"])])
         assert ("cp.reduce.async.bulk" in variant.source) == by_writer
         assert ("red.global.add" in variant.source) != by_writer
+
+
+@pytest.mark.parametrize("shape, options", [("2,16,8192,64", {"causal": True}), ("16,16,1024,64", {"causal": True}),
+                                            ("2,16,8192,64", {}), ("2,8,1500,64", {"causal": True, "deterministic": True})])
+def test_128_queries_a_step_is_the_first_seed_at_head_dim_64(shape, options):
+    """The default keeps 64 queries a step; the seed right after it takes 128 (otherwise the
+    default's point), named _m128, with Q and dO in 128-row boxes; 64 keeps its old name."""
+    target = Target.for_arch("90")
+    problem = FAMILY.problem(shape, "bfloat16", options)
+    default = FAMILY.default_params(problem, target)
+    assert default["engine"] == "wgmma" and default["block_m"] == 64
+    first = FAMILY.seed_params(problem, target)[0]
+    assert first["block_m"] == 128
+    assert sum(first[k] != default[k] for k in default) <= 2  # block_m, and ds_buffers or dq_add where needed
+    wide, narrow = (build_variant(FAMILY, problem, p, target) for p in (first, default))
+    assert wide.name.endswith("_m128") and not narrow.name.endswith("_m128")
+    assert wide.name[:-len("_m128")] == build_variant(FAMILY, problem, {**first, "block_m": 64}, target).name
+    q_map = wide.launches[1].args[0]
+    assert q_map.box[2] == 128 and narrow.launches[1].args[0].box[2] == 64
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in wide.source
+    assert "m64n128k16" not in narrow.source
+
+
+def test_128_queries_a_step_is_refused_past_head_dim_64_and_for_few_queries():
+    target = Target.for_arch("90")
+    for shape, why in (("4,16,4096,128", "only at D = 64"), ("1,8,64,64", "twice the queries")):
+        problem = FAMILY.problem(shape, "bfloat16", {})
+        params = {**FAMILY.default_params(problem, target), "block_m": 128}
+        assert not FAMILY.is_valid(problem, target, params)
+        broken = space_of(FAMILY).violations(params, FAMILY.problem_values(problem, target))
+        assert any(why in text for text in broken), broken
 
 
 def test_launches_name_dlse_only_with_an_lse_gradient():
@@ -141,19 +173,29 @@ def test_function_refuses_mismatched_arrays_before_any_gpu_work():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("shape, options, block_n, dq_add, ds_buffers", [
-    ("4,16,4096,128", {}, 128, "atomic", 1), ("4,16,4096,128", {}, 128, "atomic", 2), ("4,16,4096,128", {}, 64, "atomic", 1),
-    ("2,16,8192,64", {"causal": True}, 128, "atomic", 2), ("2,16,8192,64", {"causal": True}, 128, "ordered", 1),
-    ("4,16,4096,128", {}, 128, "writer", 1), ("4,16,4096,128", {"deterministic": True}, 64, "writer_ordered", 2),
-    ("2,16,8192,64", {"causal": True}, 128, "writer", 2), ("2,16,8192,64", {"causal": True}, 64, "writer", 2),
-    ("2,16,8192,64", {"causal": True, "deterministic": True}, 128, "writer_ordered", 2)])
-def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n, dq_add, ds_buffers):
+@pytest.mark.parametrize("shape, options, block_n, dq_add, ds_buffers, block_m, stages", [
+    ("4,16,4096,128", {}, 128, "atomic", 1, 64, 2), ("4,16,4096,128", {}, 128, "atomic", 2, 64, 2), ("4,16,4096,128", {}, 64, "atomic", 1, 64, 2),
+    ("2,16,8192,64", {"causal": True}, 128, "atomic", 2, 64, 2), ("2,16,8192,64", {"causal": True}, 128, "ordered", 1, 64, 2),
+    ("4,16,4096,128", {}, 128, "writer", 1, 64, 2), ("4,16,4096,128", {"deterministic": True}, 64, "writer_ordered", 2, 64, 2),
+    ("2,16,8192,64", {"causal": True}, 128, "writer", 2, 64, 2), ("2,16,8192,64", {"causal": True}, 64, "writer", 2, 64, 2),
+    ("2,16,8192,64", {"causal": True, "deterministic": True}, 128, "writer_ordered", 2, 64, 2),
+    # 128 queries a step: every way of adding dQ, one and two consumers, one and two dS^T buffers and stages
+    ("2,16,8192,64", {"causal": True}, 128, "atomic", 2, 128, 2), ("2,16,8192,64", {"kv_heads": 4}, 128, "ordered", 1, 128, 2),
+    ("2,16,8192,64", {"causal": True}, 128, "writer", 1, 128, 1), ("2,16,8192,64", {"kv_heads": 4}, 128, "writer_ordered", 1, 128, 1),
+    ("2,16,8192,64", {"causal": True, "kv_heads": 4}, 64, "atomic", 1, 128, 1),
+    ("2,16,8192,64", {"causal": True}, 64, "writer_ordered", 2, 128, 2),
+    ("2,16,2048,64", {"window_left": 256, "window_right": 0, "softcap": 30.0}, 128, "atomic", 2, 128, 2)])
+def test_wgmma_variants_build_with_nvcc_without_spilling(tmp_path, shape, options, block_n, dq_add, ds_buffers,
+                                                         block_m, stages):
     """Two consumers at D = 128 hold dK and dV of their keys in registers (D floats a thread):
     anything else held for a whole step (each query's lse and Delta once did) spills; so does a
-    producer warp that needs more than the 24 registers it keeps (the dQ writer's loop among them)."""
+    producer warp that needs more than the 24 registers it keeps (the dQ writer's loop among them).
+    At 128 queries a step S^T and dP^T take 64 floats each beside dK and dV (P^T is in shared
+    memory for that): every way of adding dQ, one and two consumers, masks and a cap."""
     problem = FAMILY.problem(shape, "bfloat16", options)
-    params = {"engine": "wgmma", "block_n": block_n, "stages": 2, "dq_add": dq_add, "ds_buffers": ds_buffers,
-              "tile_order": "heads" if options.get("causal") else "keys"}
+    params = {"engine": "wgmma", "block_m": block_m, "block_n": block_n, "stages": stages, "dq_add": dq_add,
+              "ds_buffers": ds_buffers, "tile_order": "heads" if options.get("causal") else "keys"}
+    assert FAMILY.is_valid(problem, Target.for_arch("90"), params)
     variant = build_variant(FAMILY, problem, params, Target.for_arch("90"))
     path = tmp_path / "k.cu"
     path.write_text(variant.source)

@@ -50,6 +50,30 @@ def _with_dq_add(problem, target, params, dq_add: str):
     return None
 
 
+def _wide(problem, target, params):
+    """params at 128 queries a step (with one dS^T buffer, then one stage, where they do not fit),
+    or None where no form of it is valid."""
+    candidate = {**params, "block_m": 128}
+    for change in ({}, {"ds_buffers": 1}, {"stages": 1}):
+        candidate = {**candidate, **change}
+        if FAMILY.is_valid(problem, target, candidate):
+            return candidate
+    return None
+
+
+# head dim 64, where 128 queries a step are valid: MQA and GQA, causal with Nq != Nkv (queries that
+# see no key) and Nq < Nkv, windows, softcap, N off 128, the ordered adds
+WIDE_PROBLEMS = [
+    ("1,8,200,64", {"kv_heads": 1, "causal": True}),
+    ("2,8,333,64", {"kv_heads": 2}),
+    ("1,2,300,64", {"window_left": 10, "window_right": 5}),
+    ("1,4,333,64", {"causal": True, "softcap": 15.0}),
+    ("1,2,1000,64", {"kv_len": 3001, "causal": True, "lse_grad": True}),
+    ("2,4,700,64", {"kv_len": 190, "causal": True}),
+    ("2,4,1000,64", {"causal": True, "kv_heads": 2, "deterministic": True}),
+]
+
+
 def _wrong(variants, seed: int) -> list[str]:
     failures = []
     for loaded in loaded_variants(variants):
@@ -81,12 +105,37 @@ def test_sampled_variants_are_correct(dtype):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("shape, dq_add", [
-    ("2,8,1500,64", "ordered"),
-    ("2,8,1500,64", "writer_ordered"),   # two consumers' dQ tiles over the same elements, one after the other
-    ("1,8,1100,128", "writer_ordered"),  # one dQ tile, its columns split between the consumers
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_128_queries_a_step_are_correct(dtype):
+    """Every wide problem (and the examples at head dim 64) at 128 queries a step, in every way of
+    adding dQ its flags allow, with two consumers and with one."""
+    target = _target()
+    problems = [FAMILY.problem(shape, dt, opts) for shape, dt, opts in FAMILY.examples]
+    problems = [p for p in problems if p.shape[3] == 64]
+    problems += [FAMILY.problem(shape, dtype, opts) for shape, opts in WIDE_PROBLEMS]
+    variants = []
+    for problem in problems:
+        default = FAMILY.default_params(problem, target)
+        points = []
+        for dq_add in ("atomic", "ordered", "writer", "writer_ordered"):
+            for block_n in (128, 64):
+                wide = _wide(problem, target, {**default, "dq_add": dq_add, "block_n": block_n})
+                if wide is not None and wide not in points:
+                    points.append(wide)
+        assert points, f"no valid point at 128 queries a step for {problem.shape_text}"
+        variants += [build_variant(FAMILY, problem, p, target) for p in points]
+    failures = _wrong(variants, seed=7)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("shape, dq_add, block_m", [
+    ("2,8,1500,64", "ordered", 64),
+    ("2,8,1500,64", "writer_ordered", 64),   # two consumers' dQ tiles over the same elements, one after the other
+    ("1,8,1100,128", "writer_ordered", 64),  # one dQ tile, its columns split between the consumers
+    ("2,8,1500,64", "ordered", 128),         # 128 queries a step: the consumers' rows of dQ
+    ("2,8,1500,64", "writer_ordered", 128),
 ])
-def test_ordered_dq_is_the_same_bits_on_every_run(shape, dq_add):
+def test_ordered_dq_is_the_same_bits_on_every_run(shape, dq_add, block_m):
     """Causal, grouped heads, many key tiles per query tile: three runs of an ordered variant (the
     consumers' adds in turn, or the writer thread's) give one dq bit for bit (and the atomic
     variant agrees with it to rounding)."""
@@ -97,6 +146,8 @@ def test_ordered_dq_is_the_same_bits_on_every_run(shape, dq_add):
     default = FAMILY.default_params(problem, target)
     assert default["dq_add"] == "writer_ordered"  # the writer thread by default where the adds are ordered
     params = _with_dq_add(problem, target, default, dq_add)
+    if block_m == 128:
+        params = _wide(problem, target, {**default, "dq_add": dq_add})
     assert params is not None
     atomic = {**default, "dq_add": "atomic"}
     free = FAMILY.problem(shape, "bfloat16", {"causal": True, "kv_heads": 2})

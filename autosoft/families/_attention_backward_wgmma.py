@@ -31,17 +31,19 @@ class WgmmaBackwardEngine(Engine):
         p = params
         return (self.family.name_prefix(problem) + f"_wgmma_n{p['block_n']}_s{p['stages']}"
                 + ("_ds2" if p["ds_buffers"] == 2 else "")
-                + ("_heads" if p["tile_order"] == "heads" else "") + _DQ_ADD_SUFFIX[str(p["dq_add"])])
+                + ("_heads" if p["tile_order"] == "heads" else "") + _DQ_ADD_SUFFIX[str(p["dq_add"])]
+                + ("_m128" if p["block_m"] == 128 else ""))
 
     def template_args(self, problem: Problem, values: Mapping[str, Any]) -> dict[str, Any]:
         return {**values, **self.family.kernel_args(problem), "engine": self.name}  # type: ignore[attr-defined]
 
     def launches(self, problem: Problem, values: Mapping[str, Any], target: Target) -> tuple[tuple[Launch, ...], int]:
         """The row pass, the main kernel (a producer and block_n / 64 consumer warpgroups; q, k, v
-        and do through tensor maps), the dQ conversion; the workspace as the mma engine's."""
+        and do through tensor maps, q and do in boxes of block_m rows), the dQ conversion; the
+        workspace as the mma engine's (turn counters for 64-row query tiles: enough for 128)."""
         b, h, n, d = problem.shape
         kv_heads, kv_len = self.family.kv(problem)  # type: ignore[attr-defined]
-        block_n = int(values["block_n"])
+        block_n, block_m = int(values["block_n"]), int(values["block_m"])
         rows = b * h * n
         turns = b * h * -(-n // 64)
         workspace = 4 * (rows * d + 2 * rows + turns)
@@ -49,10 +51,10 @@ class WgmmaBackwardEngine(Engine):
         lse_args: tuple[str, ...] = ("lse", "dlse") if "lse_grad" in problem.flags else ("lse",)
         prep = Launch("attention_bwd_prep", (row_blocks, 1, 1), (ROW_THREADS, 1, 1), 0,
                       ("o", "do", *lse_args, "workspace", np.int64(rows), np.int32(turns)))
-        maps = (TensorMap("q", (b, h, n, d), (1, 1, 64, 64), problem.dtype),
+        maps = (TensorMap("q", (b, h, n, d), (1, 1, block_m, 64), problem.dtype),
                 TensorMap("k", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
                 TensorMap("v", (b, kv_heads, kv_len, d), (1, 1, block_n, 64), problem.dtype),
-                TensorMap("do", (b, h, n, d), (1, 1, 64, 64), problem.dtype, always_contiguous=True))
+                TensorMap("do", (b, h, n, d), (1, 1, block_m, 64), problem.dtype, always_contiguous=True))
         main = Launch("attention_bwd", (-(-kv_len // block_n), kv_heads, b), (128 * (block_n // 64 + 1), 1, 1),
                       values["smem_bytes"], (*maps, "dk", "dv", "scale", np.int32(h), np.int32(b), "workspace"))
         chunks = rows * d // 8
@@ -65,8 +67,8 @@ class WgmmaBackwardEngine(Engine):
         with two dS^T buffers where they fit; one consumer where 128 keys are more than twice the
         keys there are; key tiles slowest under a causal mask (the heaviest blocks first). dQ added
         by the writer warp where a consumer's dQ tile is widest (head dim 128 and more) or the adds
-        must be ordered, and where its tiles fit; else by the consumers' atomics. None where no
-        point is valid (the mma engine's default then)."""
+        must be ordered, and where its tiles fit; else by the consumers' atomics. 64 queries a step.
+        None where no point is valid (the mma engine's default then)."""
         deterministic = "deterministic" in problem.flags
         plain = "ordered" if deterministic else "atomic"
         writer = "writer_ordered" if deterministic else "writer"
@@ -75,15 +77,16 @@ class WgmmaBackwardEngine(Engine):
         for dq_add in adders:
             for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
                       {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
-                p = {**p, "tile_order": order, "dq_add": dq_add}
+                p = {**p, "block_m": 64, "tile_order": order, "dq_add": dq_add}
                 if self.is_valid(problem, target, p):
                     return p
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then the other way of adding dQ
-        (the writer warp or the consumers, with one dS^T buffer where two leave no room for the
-        writer's tiles), one dS^T buffer, the other block order, the other tile and stage counts."""
+        """Its default (where the family's is another engine's), then 128 queries a step (with
+        one dS^T buffer, or the other way of adding dQ, where the first leaves no room), the other way of adding dQ (the writer warp or
+        the consumers, with one dS^T buffer where two leave no room for the writer's tiles), one
+        dS^T buffer, the other block order, the other tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
@@ -92,5 +95,7 @@ class WgmmaBackwardEngine(Engine):
                      "writer_ordered": "ordered"}[str(own["dq_add"])]
         changes = ({"dq_add": other_add}, {"dq_add": other_add, "ds_buffers": 1}, {"ds_buffers": 1},
                    {"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
-        neighbours = self.valid_neighbours(problem, target, own, changes)
+        wide = self.valid_neighbours(problem, target, own, ({"block_m": 128}, {"block_m": 128, "ds_buffers": 1},
+                                                            {"block_m": 128, "dq_add": other_add}))[:1]
+        neighbours = wide + [p for p in self.valid_neighbours(problem, target, own, changes) if p not in wide]
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
