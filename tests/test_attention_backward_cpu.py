@@ -82,34 +82,41 @@ def test_default_kernels_compile(arch):
 
 def test_deterministic_problems_take_ordered_adds_only():
     target = Target.for_arch("90")
-    problem = FAMILY.problem("2,8,1500,64", "bfloat16", {"causal": True, "deterministic": True})
-    default = FAMILY.default_params(problem, target)
-    assert default["dq_add"] == "writer_ordered"
-    assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "atomic"})
-    assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "writer"})
-    seeds = FAMILY.seed_params(problem, target)
-    assert all(p["dq_add"] in ("ordered", "writer_ordered") for p in seeds)
-    assert seeds[0]["dq_add"] == "ordered"
+    for shape, default_add in (("2,8,1500,64", "ordered"), ("2,8,1500,128", "writer_ordered")):
+        problem = FAMILY.problem(shape, "bfloat16", {"causal": True, "deterministic": True})
+        default = FAMILY.default_params(problem, target)
+        assert default["dq_add"] == default_add
+        assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "atomic"})
+        assert not FAMILY.is_valid(problem, target, {**default, "dq_add": "writer"})
+        seeds = FAMILY.seed_params(problem, target)
+        assert all(p["dq_add"] in ("ordered", "writer_ordered") for p in seeds)
+        if problem.shape[3] == 128:  # at D = 64, 128 queries a step leave the writer no room with two stages
+            assert {p["dq_add"] for p in seeds} == {"ordered", "writer_ordered"}
 
 
-@pytest.mark.parametrize("shape, options, default_add, seed_add", [
-    ("4,16,4096,128", {}, "writer", "atomic"), ("2,16,8192,64", {"causal": True}, "atomic", "writer"),
-    ("2,16,8192,64", {"causal": True, "deterministic": True}, "writer_ordered", "ordered"),
-    ("4,16,4096,128", {"deterministic": True}, "writer_ordered", "ordered")])
-def test_the_dq_writer_is_the_default_at_head_dim_128_and_when_ordered(shape, options, default_add, seed_add):
-    """The writer warp adds dQ by default where a consumer's dQ tile is 128 wide or the adds must be
-    ordered (the consumers' atomics at D = 64 otherwise); the first seed is the other way. At D =
-    128 with two consumers the writer's two dQ tiles leave no room for a second dS^T buffer, so it
-    takes one; the variant is named for its adds and holds the bulk reduce only with the writer.
-    (The first seed of 64 queries a step: at D = 64 one of 128 comes before it.)"""
+@pytest.mark.parametrize("shape, options, default_add, order, seed_add", [
+    ("4,16,4096,128", {}, "writer", "keys", "atomic"),
+    ("4,16,4096,128", {"causal": True}, "writer", "keys", "atomic"),
+    ("4,16,4096,128", {"causal": True, "deterministic": True}, "writer_ordered", "heads", "ordered"),
+    ("2,8,60,64", {"causal": True}, "atomic", "heads", "writer"),  # too few queries for 128 a step
+    ("2,8,60,64", {"causal": True, "deterministic": True}, "writer_ordered", "heads", "ordered")])
+def test_the_dq_writer_is_the_default_at_64_queries_a_step_from_head_dim_128_and_when_ordered(
+        shape, options, default_add, order, seed_add):
+    """At 64 queries a step the writer warp adds dQ by default where a consumer's dQ tile is 128
+    wide or the adds must be ordered (the consumers' atomics at D = 64 otherwise), and a causal
+    mask walks key tiles slowest except under the unordered writer; the first seed adds dQ the
+    other way. At D = 128 with two consumers the writer's two dQ tiles leave no room for a second
+    dS^T buffer, so it takes one; the variant is named for its adds and holds the bulk reduce
+    only with the writer."""
     target = Target.for_arch("90")
     problem = FAMILY.problem(shape, "bfloat16", options)
     default = FAMILY.default_params(problem, target)
-    assert default["engine"] == "wgmma" and default["dq_add"] == default_add and default["block_n"] == 128
-    first = next(p for p in FAMILY.seed_params(problem, target) if p["block_m"] == 64)
+    assert default["engine"] == "wgmma" and default["block_m"] == 64
+    assert (default["dq_add"], default["tile_order"]) == (default_add, order)
+    first = FAMILY.seed_params(problem, target)[0]
     assert first["dq_add"] == seed_add
-    writer = default if default_add.startswith("writer") else first
-    assert writer["ds_buffers"] == (1 if problem.shape[3] == 128 else 2)
+    if problem.shape[3] == 128:
+        assert (default["block_n"], default["ds_buffers"]) == (128, 1)
     for params in (default, first):
         variant = build_variant(FAMILY, problem, params, target)
         by_writer = str(params["dq_add"]).startswith("writer")
@@ -121,19 +128,20 @@ def test_the_dq_writer_is_the_default_at_head_dim_128_and_when_ordered(shape, op
 
 @pytest.mark.parametrize("shape, options", [("2,16,8192,64", {"causal": True}), ("16,16,1024,64", {"causal": True}),
                                             ("2,16,8192,64", {}), ("2,8,1500,64", {"causal": True, "deterministic": True})])
-def test_128_queries_a_step_is_the_first_seed_at_head_dim_64(shape, options):
-    """The default keeps 64 queries a step; the seed right after it takes 128 (otherwise the
-    default's point), named _m128, with Q and dO in 128-row boxes; 64 keeps its old name."""
+def test_128_queries_a_step_with_the_consumers_adds_is_the_default_at_head_dim_64(shape, options):
+    """At D = 64 the default takes 128 queries a step, dQ added by the consumers (atomics, or in
+    turn where ordered), named _m128, with Q and dO in 128-row boxes; the first seed is the same
+    point at 64 queries a step, which keeps its old name."""
     target = Target.for_arch("90")
     problem = FAMILY.problem(shape, "bfloat16", options)
     default = FAMILY.default_params(problem, target)
-    assert default["engine"] == "wgmma" and default["block_m"] == 64
+    assert default["engine"] == "wgmma" and default["block_m"] == 128
+    assert default["dq_add"] == ("ordered" if "deterministic" in problem.flags else "atomic")
     first = FAMILY.seed_params(problem, target)[0]
-    assert first["block_m"] == 128
-    assert sum(first[k] != default[k] for k in default) <= 2  # block_m, and ds_buffers or dq_add where needed
-    wide, narrow = (build_variant(FAMILY, problem, p, target) for p in (first, default))
+    assert first == {**default, "block_m": 64}
+    wide, narrow = (build_variant(FAMILY, problem, p, target) for p in (default, first))
     assert wide.name.endswith("_m128") and not narrow.name.endswith("_m128")
-    assert wide.name[:-len("_m128")] == build_variant(FAMILY, problem, {**first, "block_m": 64}, target).name
+    assert wide.name[:-len("_m128")] == narrow.name
     q_map = wide.launches[1].args[0]
     assert q_map.box[2] == 128 and narrow.launches[1].args[0].box[2] == 64
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in wide.source

@@ -96,10 +96,11 @@ def test_sampled_variants_are_correct(dtype):
         ordered = {**default, "dq_add": "ordered"}
         if FAMILY.is_valid(problem, target, ordered) and ordered not in points:
             points.append(ordered)
-        for dq_add in ("writer", "writer_ordered"):
-            writer = _with_dq_add(problem, target, default, dq_add)
-            if writer is not None and writer not in points:
-                points.append(writer)
+        for dq_add in ("writer", "writer_ordered"):  # at both step heights where the default has 128
+            for base in (default, {**default, "block_m": 64}) if default.get("block_m") == 128 else (default,):
+                writer = _with_dq_add(problem, target, base, dq_add)
+                if writer is not None and writer not in points:
+                    points.append(writer)
         variants += [build_variant(FAMILY, problem, p, target) for p in points]
     failures = _wrong(variants, seed=5)
     assert not failures, "\n".join(failures)
@@ -144,12 +145,12 @@ def test_ordered_dq_is_the_same_bits_on_every_run(shape, dq_add, block_m):
     target = _target()
     problem = FAMILY.problem(shape, "bfloat16", {"causal": True, "kv_heads": 2, "deterministic": True})
     default = FAMILY.default_params(problem, target)
-    assert default["dq_add"] == "writer_ordered"  # the writer thread by default where the adds are ordered
-    params = _with_dq_add(problem, target, default, dq_add)
-    if block_m == 128:
-        params = _wide(problem, target, {**default, "dq_add": dq_add})
+    assert default["dq_add"] in ("ordered", "writer_ordered")  # only ordered adds where the problem asks
+    narrow = {**default, "block_m": 64}
+    params = (_with_dq_add(problem, target, narrow, dq_add) if block_m == 64 else
+              _wide(problem, target, {**default, "dq_add": dq_add}))
     assert params is not None
-    atomic = {**default, "dq_add": "atomic"}
+    atomic = {**narrow, "dq_add": "atomic"}
     free = FAMILY.problem(shape, "bfloat16", {"causal": True, "kv_heads": 2})
     ordered_v, atomic_v = loaded_variants([build_variant(FAMILY, problem, params, target),
                                            build_variant(FAMILY, free, atomic, target)])

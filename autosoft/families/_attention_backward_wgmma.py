@@ -65,37 +65,42 @@ class WgmmaBackwardEngine(Engine):
     def default_params(self, problem: Problem, target: Target) -> dict[str, ParamValue] | None:
         """Two consumers (128 keys) and two Q/dO stages, as FlashAttention-3 takes for D 64 and 128,
         with two dS^T buffers where they fit; one consumer where 128 keys are more than twice the
-        keys there are; key tiles slowest under a causal mask (the heaviest blocks first). dQ added
-        by the writer warp where a consumer's dQ tile is widest (head dim 128 and more) or the adds
-        must be ordered, and where its tiles fit; else by the consumers' atomics. 64 queries a step.
+        keys there are. 128 queries a step where that fits (D 64), dQ added by the consumers; else
+        64, dQ added by the writer warp where a consumer's dQ tile is widest (D 128 and more) or the
+        adds must be ordered, by the consumers' atomics otherwise. Key tiles slowest under a causal
+        mask (the heaviest blocks first), but not where the writer adds dQ unordered: its adds
+        leave the consumers free, and a block's keys walk the query tiles in order best there.
         None where no point is valid (the mma engine's default then)."""
         deterministic = "deterministic" in problem.flags
         plain = "ordered" if deterministic else "atomic"
         writer = "writer_ordered" if deterministic else "writer"
-        adders = (writer, plain) if deterministic or problem.shape[3] >= 128 else (plain,)
-        order = "heads" if "causal" in problem.flags else "keys"
-        for dq_add in adders:
-            for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
-                      {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
-                p = {**p, "block_m": 64, "tile_order": order, "dq_add": dq_add}
-                if self.is_valid(problem, target, p):
-                    return p
+        by_writer = deterministic or problem.shape[3] >= 128
+        for block_m, adders in ((128, (plain,)), (64, (writer, plain) if by_writer else (plain,))):
+            for dq_add in adders:
+                order = "heads" if "causal" in problem.flags and dq_add != "writer" else "keys"
+                for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
+                          {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
+                    p = {**p, "block_m": block_m, "tile_order": order, "dq_add": dq_add}
+                    if self.is_valid(problem, target, p):
+                        return p
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
-        """Its default (where the family's is another engine's), then 128 queries a step (with
-        one dS^T buffer, or the other way of adding dQ, where the first leaves no room), the other way of adding dQ (the writer warp or
-        the consumers, with one dS^T buffer where two leave no room for the writer's tiles), one
-        dS^T buffer, the other block order, the other tile and stage counts."""
+        """Its default (where the family's is another engine's), then the other number of queries a
+        step (with one dS^T buffer, or the other way of adding dQ, where the first leaves no room),
+        the other way of adding dQ (the writer warp or the consumers, with one dS^T buffer where two
+        leave no room for the writer's tiles), one dS^T buffer, the other block order, the other
+        tile and stage counts."""
         own = self.default_params(problem, target)
         if own is None:
             return []
         other_order = "keys" if own["tile_order"] == "heads" else "heads"
         other_add = {"atomic": "writer", "writer": "atomic", "ordered": "writer_ordered",
                      "writer_ordered": "ordered"}[str(own["dq_add"])]
+        other_m = 64 if own["block_m"] == 128 else 128
         changes = ({"dq_add": other_add}, {"dq_add": other_add, "ds_buffers": 1}, {"ds_buffers": 1},
                    {"tile_order": other_order}, {"block_n": 64}, {"stages": 1}, {"block_n": 64, "stages": 1})
-        wide = self.valid_neighbours(problem, target, own, ({"block_m": 128}, {"block_m": 128, "ds_buffers": 1},
-                                                            {"block_m": 128, "dq_add": other_add}))[:1]
+        wide = self.valid_neighbours(problem, target, own, ({"block_m": other_m}, {"block_m": other_m, "ds_buffers": 1},
+                                                            {"block_m": other_m, "dq_add": other_add}))[:1]
         neighbours = wide + [p for p in self.valid_neighbours(problem, target, own, changes) if p not in wide]
         return neighbours if default.get("engine") == self.name else [own, *neighbours]
