@@ -22,7 +22,7 @@
 // is a function pointer the Python side takes from libcuda (the driver CuPy loaded the kernels with).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -72,14 +72,25 @@ struct Record {
   int y_word = -1;
 };
 
-// (operator, dtype, device index, sizes...): what decides the Python plan of a call along the last dim
-using Key = std::vector<int64_t>;
+// (operator, dtype, device index, number of dimensions, sizes...): what decides the Python plan of a call
+// along the last dim. Held in place, not in a std::vector: a lookup allocates nothing. A tensor of more
+// than kMaxDims dimensions has no key (its calls stay in Python).
+constexpr int kMaxDims = 12;
+
+struct Key {
+  int64_t values[4 + kMaxDims];
+  int count = 0;
+
+  bool operator==(const Key& other) const noexcept {
+    return count == other.count && std::memcmp(values, other.values, sizeof(int64_t) * count) == 0;
+  }
+};
 
 struct KeyHash {
   size_t operator()(const Key& key) const noexcept {
     uint64_t h = 1469598103934665603ull;
-    for (int64_t v : key) {
-      h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+    for (int i = 0; i < key.count; ++i) {
+      h = (h ^ static_cast<uint64_t>(key.values[i])) * 1099511628211ull;
     }
     return static_cast<size_t>(h);
   }
@@ -107,17 +118,19 @@ std::atomic<uint64_t> launches{0};  // calls launched here, for tests and benchm
   throw std::runtime_error(message);
 }
 
-Key key_of(int op, const at::Tensor& x) {
-  Key key;
-  key.reserve(4 + x.dim());
-  key.push_back(op);
-  key.push_back(static_cast<int64_t>(x.scalar_type()));
-  key.push_back(x.device().index());
-  key.push_back(x.dim());
-  for (int64_t size : x.sizes()) {
-    key.push_back(size);
+// Whether calls like x have a key (see Key), written into `key`.
+bool key_of(int op, const at::Tensor& x, Key& key) {
+  const int64_t dims = x.dim();
+  if (dims > kMaxDims) {
+    return false;
   }
-  return key;
+  key.values[0] = op;
+  key.values[1] = static_cast<int64_t>(x.scalar_type());
+  key.values[2] = x.device().index();
+  key.values[3] = dims;
+  std::memcpy(key.values + 4, x.sizes().data(), sizeof(int64_t) * dims);
+  key.count = static_cast<int>(4 + dims);
+  return true;
 }
 
 // Whether the dispatcher's next kernel after this one would be the CUDA backend's: no tensor subclass,
@@ -139,7 +152,8 @@ at::Tensor miss(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t d
 // from both at the same offsets). The caller holds table_mutex shared.
 at::Tensor launch_recorded(int op, const at::Tensor& x, const Record& record) {
   c10::DeviceGuard guard(x.device());
-  at::Tensor y = at::empty_like(x);  // contiguous, as x is
+  // contiguous, like x: at::empty_like's result, with one dispatcher call instead of two
+  at::Tensor y = at::empty(x.sizes(), x.options());
   const auto x_address = reinterpret_cast<uint64_t>(x.const_data_ptr());
   const auto y_address = reinterpret_cast<uint64_t>(y.data_ptr());
   if ((y_address - x_address) % kVecAlign != 0) {
@@ -171,7 +185,10 @@ at::Tensor run(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t di
       !x.is_contiguous()) {
     return miss(op, keys, x, dim);
   }
-  const Key key = key_of(op, x);
+  Key key;
+  if (!key_of(op, x, key)) {
+    return miss(op, keys, x, dim);
+  }
   {
     std::shared_lock<std::shared_mutex> lock(table_mutex);
     auto found = table.find(key);
@@ -187,7 +204,7 @@ at::Tensor run(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t di
 
 // Whether a public call on this tensor may be launched from here: what the public function's own checks
 // and the operator's (run, goes_to_cuda) would send to its plain path. The dispatch keys are the ones the
-// dispatcher would compute for at::empty_like on x: the tensor's and the thread's. Above autograd nothing
+// dispatcher would compute for an operator on x: the tensor's and the thread's. Above autograd nothing
 // may intervene (vmap, functorch, a Python dispatcher; autocast changes nothing here), below it nothing but
 // the CUDA backend (dispatch modes, functionalization); no torch function mode (it would not see the
 // allocation) and no JIT tracer (it would record the allocation and not the launch).
@@ -221,7 +238,10 @@ PyObject* direct(int op, PyObject* const* args, Py_ssize_t nargs) {
   if (!direct_takes(x)) {
     Py_RETURN_NONE;
   }
-  const Key key = key_of(op, x);
+  Key key;
+  if (!key_of(op, x, key)) {
+    Py_RETURN_NONE;
+  }
   {
     std::shared_lock<std::shared_mutex> lock(table_mutex);
     auto found = table.find(key);
@@ -292,10 +312,13 @@ void record(int op, const at::Tensor& x, uint64_t function, const std::vector<in
   std::copy(words.begin(), words.end(), r.words);
   r.x_word = x_word;
   r.y_word = y_word;
-  Key key = key_of(op, x);
+  Key key;
+  if (!key_of(op, x, key)) {
+    return;  // too many dimensions: such calls stay in Python
+  }
   py::gil_scoped_release nogil;  // a launch in flight may hold the lock; it never waits for the GIL
   std::unique_lock<std::shared_mutex> lock(table_mutex);
-  table[std::move(key)] = r;
+  table[key] = r;
 }
 
 // Marks the plan of calls like x as not replayable from here (see Record).
@@ -303,10 +326,13 @@ void record_unreplayable(int op, const at::Tensor& x) {
   if (op != kSoftmax && op != kLogSoftmax) {
     fail("autosoft native: no operator " + std::to_string(op));
   }
-  Key key = key_of(op, x);
+  Key key;
+  if (!key_of(op, x, key)) {
+    return;
+  }
   py::gil_scoped_release nogil;
   std::unique_lock<std::shared_mutex> lock(table_mutex);
-  table[std::move(key)] = Record();
+  table[key] = Record();
 }
 
 void clear() {
