@@ -135,9 +135,11 @@ def _first_direct(op: int, x: Any, dim: Any, out: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is None or type(x) is not torch.Tensor or not x.is_cuda:
         return None  # nothing to load for (CuPy arrays, host tensors: the Python path says what they are)
-    from . import native
+    # not `from . import native`: that asks the package's __getattr__ first, which looks for a family
+    # function of that name through every family and plug-in (tens of milliseconds)
+    from .native import direct
 
-    _softmax_direct, _log_softmax_direct = native.direct() or (_no_direct, _no_direct)
+    _softmax_direct, _log_softmax_direct = direct() or (_no_direct, _no_direct)
     _compiling = torch.compiler.is_dynamo_compiling
     return (_softmax_direct, _log_softmax_direct)[op](x, dim, out)
 
