@@ -25,9 +25,10 @@ then the record, or a mark that the plan cannot be replayed (so those calls go t
 The extension is built by torch.utils.cpp_extension into <cache folder>/native/<name>, the cache
 folder being kernels.sqlite's (AUTOSOFT_CACHE_DIR or the user cache), <name> naming a sha256 of the
 source, the torch version and the Python ABI: a new torch or autosoft builds anew. It is never built
-on import (a build takes tens of seconds); `enable` only loads one that exists. AUTOSOFT_NATIVE=0
+on import (a build takes tens of seconds); `enable` and `direct` only load one that exists. AUTOSOFT_NATIVE=0
 keeps it unloaded. Records are dropped, with the plans they replay, whenever the dispatcher clears
-its caches (load_cache, forget). Needs torch; imported by autosoft.torch_ops and the CLI only.
+its caches (load_cache, forget). Needs torch; imported by autosoft.torch_ops, the CLI, and autosoft.api
+at the first call of autosoft.softmax or log_softmax on a CUDA tensor.
 """
 from __future__ import annotations
 

@@ -223,8 +223,8 @@ def print_host_table(h: dict, file=sys.stderr) -> None:
     """The --host-only figures as a table (µs per call; ratio to torch.softmax in the same turns)."""
     print(f"per call from Python, {h['dtype']}, median of {h['rounds']} rounds of {h['calls_per_round']} calls "
           f"taking turns ({h.get('gpu', '')}, torch {h.get('torch', '')})", file=file)
-    print("| shape | torch.softmax µs | autosoft.softmax µs | ratio | path | autosoft.softmax, Python path µs | ratio "
-          "| operator µs | ratio | C++ launches | variant |", file=file)
+    print("| shape | torch.softmax µs | autosoft.softmax µs | ratio | path | autosoft.softmax, Python path µs "
+          "| ratio | operator µs | ratio | C++ launches | variant |", file=file)
     print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|", file=file)
     for r in h.get("shapes", [h]):
         python = r.get("autosoft_python_us_per_call")

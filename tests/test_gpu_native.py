@@ -182,7 +182,8 @@ def test_disabled_the_python_kernels_serve_again():
 from autosoft import api  # noqa: E402
 from autosoft.arrays import call_family  # noqa: E402
 
-PUBLIC = {False: (autosoft.softmax, torch.softmax, None), True: (autosoft.log_softmax, torch.log_softmax, {"log": True})}
+PUBLIC = {False: (autosoft.softmax, torch.softmax, None),
+          True: (autosoft.log_softmax, torch.log_softmax, {"log": True})}
 
 
 def python_path(x, log):
