@@ -68,8 +68,8 @@ def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     operator torch.ops.autosoft.softmax, whose backward is the tuned softmax_backward family; so
     does any call while torch.compile traces, which then sees one operator (autosoft.torch_ops).
 
-    Where `autosoft native` built the compiled extension, a call on a CUDA tensor along the last
-    dim without `out` whose plan is recorded (by the first such call of its shape and dtype)
+    Where `autosoft native` built the compiled extension, a call on a CUDA tensor along its last
+    dim (-1 or its index) without `out` whose plan is recorded (by the first such call of its shape and dtype)
     allocates and launches from C++ (autosoft.native), with the same bits.
     """
     if not _compiling():

@@ -223,7 +223,7 @@ bool direct_takes(const at::Tensor& x) {
 // None for any call this does not take (the public function then runs its Python path as it would
 // without this file); on a plain call whose plan is not recorded yet, autosoft.native._direct_miss(op, x)
 // (the Python path, then the record). x a torch.Tensor (exactly: subclasses such as fake tensors have their
-// own semantics), dim the int -1, out None.
+// own semantics), dim the int -1 or the index of x's last dim, out None.
 PyObject* direct(int op, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 3 || !direct_on || args[2] != Py_None || !PyLong_CheckExact(args[1]) ||
@@ -231,11 +231,10 @@ PyObject* direct(int op, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
   }
   int overflow = 0;
-  if (PyLong_AsLongAndOverflow(args[1], &overflow) != -1 || overflow != 0) {
-    Py_RETURN_NONE;
-  }
+  const long dim = PyLong_AsLongAndOverflow(args[1], &overflow);
   const at::Tensor& x = THPVariable_Unpack(args[0]);
-  if (!direct_takes(x)) {
+  // the last dim, as -1 or by its index (the public function's Python path takes both to one plan)
+  if (overflow != 0 || (dim != -1 && (dim < 0 || dim != x.dim() - 1)) || !direct_takes(x)) {
     Py_RETURN_NONE;
   }
   Key key;

@@ -220,7 +220,8 @@ def test_a_record_serves_its_own_shape_operator_and_dtype_only():
     assert native.recorded() == 1
     launched = native.launches()
     assert torch.equal(autosoft.softmax(x), python_path(x, False))
-    assert native.launches() == launched + 1
+    assert torch.equal(autosoft.softmax(x, 1), python_path(x, False)), "the last dim by its index"
+    assert native.launches() == launched + 2
     # another shape, the other operator, another dtype: each its own first call through Python, then
     # launched from C++ where its plan is replayable
     for log, other in ((False, fresh_input((512, 256), F32)), (False, fresh_input((256, 1024), F32)),

@@ -170,7 +170,7 @@ def test_the_public_entries_take_no_call_they_cannot_launch(module):
         assert module.direct_on()
         x = torch.randn(4, 8)
         for entry in (module.softmax_direct, module.log_softmax_direct):
-            for args in ((x, -1, None), (x, 0, None), (x, -1, torch.empty(4, 8)), (x, True, None), (x, 2**70, None),
+            for args in ((x, -1, None), (x, 1, None), (x, 0, None), (x, -2, None), (x, 2, None), (x, -1, torch.empty(4, 8)), (x, True, None), (x, 2**70, None),
                          (torch.empty(4, 8, device="meta"), -1, None), (torch.nn.Parameter(x), -1, None),
                          (x.numpy(), -1, None), (None, -1, None), (x, -1)):
                 assert entry(*args) is None, args
