@@ -22,7 +22,7 @@
 // is a function pointer the Python side takes from libcuda (the driver CuPy loaded the kernels with).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -152,8 +152,9 @@ at::Tensor miss(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t d
 // from both at the same offsets). The caller holds table_mutex shared.
 at::Tensor launch_recorded(int op, const at::Tensor& x, const Record& record) {
   c10::DeviceGuard guard(x.device());
-  // contiguous, like x: at::empty_like's result, with one dispatcher call instead of two
-  at::Tensor y = at::empty(x.sizes(), x.options());
+  // at::empty_like's result for a contiguous x (its strides kept, odd ones on dims of size 1 included),
+  // with one dispatcher call instead of two
+  at::Tensor y = at::empty_strided(x.sizes(), x.strides(), x.options());
   const auto x_address = reinterpret_cast<uint64_t>(x.const_data_ptr());
   const auto y_address = reinterpret_cast<uint64_t>(y.data_ptr());
   if ((y_address - x_address) % kVecAlign != 0) {

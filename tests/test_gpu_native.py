@@ -302,3 +302,17 @@ def test_the_public_entry_launches_on_the_current_stream_and_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, python_path(static, False))
+
+
+def test_the_entrys_output_has_the_python_paths_strides():
+    """A contiguous input may have any stride on a dimension of size 1; torch.empty_like (the Python
+    path) keeps it, and so must the compiled entry's allocation."""
+    x = torch.empty_strided((4, 1, 8), (8, 1, 1), device="cuda")
+    x.copy_(fresh_input((4, 1, 8), F32))
+    assert x.is_contiguous()
+    first = autosoft.softmax(x)
+    launched = native.launches()
+    y = autosoft.softmax(x)
+    assert native.launches() == launched + 1
+    assert y.stride() == first.stride() == python_path(x, False).stride() == x.stride()
+    assert torch.equal(y, first)
