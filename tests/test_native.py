@@ -248,3 +248,25 @@ def test_compile_traces_the_public_functions_as_operators_with_the_entries_insta
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function" and "autosoft" in str(n.target)]
     assert targets == ["autosoft.softmax.default", "autosoft.log_softmax.default"]
     torch._dynamo.reset()
+
+
+def test_the_public_functions_return_what_their_entry_gives_and_fall_through_on_none(monkeypatch):
+    """The wiring, with stand-in entries: each public function hands (x, dim, out) to its own entry
+    and returns its result untouched; on None its Python path runs (here: the host tensor's error)."""
+    from autosoft import api
+
+    calls = []
+
+    def entry(name, result):
+        return lambda x, dim, out: calls.append((name, x, dim, out)) or result
+
+    sentinel = object()
+    monkeypatch.setattr(api, "_compiling", lambda: False)
+    monkeypatch.setattr(api, "_softmax_direct", entry("softmax", sentinel))
+    monkeypatch.setattr(api, "_log_softmax_direct", entry("log_softmax", None))
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    assert autosoft.softmax(x, 0, out) is sentinel
+    with pytest.raises(TypeError, match="autosoft.log_softmax: x is a CPU tensor"):
+        autosoft.log_softmax(x)
+    assert [(name, a is x, dim, o) for name, a, dim, o in calls] == [("softmax", True, 0, out),
+                                                                     ("log_softmax", True, -1, None)]
