@@ -19,6 +19,7 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, TypeVar, overload
 
@@ -66,7 +67,15 @@ def softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     Autograd: a torch tensor that requires gradients (while autograd records) goes through the
     operator torch.ops.autosoft.softmax, whose backward is the tuned softmax_backward family; so
     does any call while torch.compile traces, which then sees one operator (autosoft.torch_ops).
+
+    Where `autosoft native` built the compiled extension, a call on a CUDA tensor along its last
+    dim (-1 or its index) without `out` whose plan is recorded (by the first such call of its shape and dtype)
+    allocates and launches from C++ (autosoft.native), with the same bits.
     """
+    if not _compiling():
+        y = _softmax_direct(x, dim, out)
+        if y is not None:
+            return y
     if through_operator(x):
         return _operator_call("softmax", x, dim, out)
     if type(dim) is int and dim == -1:
@@ -87,11 +96,63 @@ def log_softmax(x: Any, dim: int = -1, out: Any = None) -> Any:
     """log(softmax(x)) over dimension `dim`, computed as x - max - log(sum(e^(x - max))): the
     softmax family's log variant, tuned as its own problems (`autosoft tune softmax --log`). The
     arrays, `dim` and `out` as for autosoft.softmax."""
+    if not _compiling():
+        y = _log_softmax_direct(x, dim, out)
+        if y is not None:
+            return y
     if through_operator(x):
         return _operator_call("log_softmax", x, dim, out)
     if type(dim) is int and dim == -1:
         return call_family("softmax", (x,), options=LOG, out=out, who="autosoft.log_softmax")[0]
     return call_along("softmax", x, dim, out, LOG, "log_softmax")
+
+
+# softmax's and log_softmax's first step. Until a call on a CUDA torch tensor, a loader; then
+# autosoft.native's compiled entries where the extension is built (they launch a recorded plan, or
+# return None: the Python path below runs), else _no_direct. _compiling guards them: torch.compile
+# would break its graph at a call into the extension; dynamo reads is_dynamo_compiling() as True.
+def _no_direct(x: Any, dim: Any, out: Any) -> None:
+    return None
+
+
+def _softmax_first(x: Any, dim: Any, out: Any) -> Any:
+    return _first_direct(0, x, dim, out)
+
+
+def _log_softmax_first(x: Any, dim: Any, out: Any) -> Any:
+    return _first_direct(1, x, dim, out)
+
+
+def _torch_compiling() -> bool:
+    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
+    return torch is not None and torch.compiler.is_dynamo_compiling()
+
+
+def _first_direct(op: int, x: Any, dim: Any, out: Any) -> Any:
+    """The first call on a CUDA torch tensor: take autosoft.native's entries (loading the extension
+    where it is built) and run this call through the one for `op` (0 softmax, 1 log_softmax)."""
+    global _softmax_direct, _log_softmax_direct, _compiling
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or not x.is_cuda:
+        return None  # nothing to load for (CuPy arrays, host tensors: the Python path says what they are)
+    # not `from . import native`: that asks the package's __getattr__ first, which looks for a family
+    # function of that name through every family and plug-in (tens of milliseconds)
+    from .native import direct
+
+    _softmax_direct, _log_softmax_direct = direct() or (_no_direct, _no_direct)
+    _compiling = torch.compiler.is_dynamo_compiling
+    return (_softmax_direct, _log_softmax_direct)[op](x, dim, out)
+
+
+def _direct_reset() -> None:
+    """Ask autosoft.native again at the next call on a CUDA tensor (it was built or enabled since)."""
+    global _softmax_direct, _log_softmax_direct, _compiling
+    _softmax_direct, _log_softmax_direct, _compiling = _softmax_first, _log_softmax_first, _torch_compiling
+
+
+_softmax_direct: Callable[[Any, Any, Any], Any] = _softmax_first
+_log_softmax_direct: Callable[[Any, Any, Any], Any] = _log_softmax_first
+_compiling: Callable[[], bool] = _torch_compiling
 
 
 def _operator_call(name: str, x: Any, dim: Any, out: Any) -> Any:

@@ -14,12 +14,21 @@ comes back to `_miss`: the Python Autograd kernel of autosoft.torch_ops, the sam
 the extension, after which the call's plan is recorded when it is a plain launch
 (runtime.NativeLaunch: one kernel, the input's and output's addresses the only words that change).
 
+The same records serve the public autosoft.softmax and autosoft.log_softmax, without the dispatcher:
+the extension's `softmax_direct` and `log_softmax_direct` (what `direct` returns; autosoft.api calls
+them first, once the first call on a CUDA tensor found them) launch a recorded plan and return the
+output, or return None for any call they do not take (another dim, `out`, gradients, a
+non-contiguous input, tracing or modes, a subclass), after which the public function's Python path
+runs unchanged. A plain call whose plan is not recorded yet comes to `_direct_miss`: the Python path,
+then the record, or a mark that the plan cannot be replayed (so those calls go to Python at once).
+
 The extension is built by torch.utils.cpp_extension into <cache folder>/native/<name>, the cache
 folder being kernels.sqlite's (AUTOSOFT_CACHE_DIR or the user cache), <name> naming a sha256 of the
 source, the torch version and the Python ABI: a new torch or autosoft builds anew. It is never built
-on import (a build takes tens of seconds); `enable` only loads one that exists. AUTOSOFT_NATIVE=0
+on import (a build takes tens of seconds); `enable` and `direct` only load one that exists. AUTOSOFT_NATIVE=0
 keeps it unloaded. Records are dropped, with the plans they replay, whenever the dispatcher clears
-its caches (load_cache, forget). Needs torch; imported by autosoft.torch_ops and the CLI only.
+its caches (load_cache, forget). Needs torch; imported by autosoft.torch_ops, the CLI, and autosoft.api
+at the first call of autosoft.softmax or log_softmax on a CUDA tensor.
 """
 from __future__ import annotations
 
@@ -34,11 +43,13 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .arrays import call_family
 from .cache import default_cache_path
 from .dispatch import DISPATCHER
 from .errors import UserError
 
-__all__ = ["SOURCE", "OPS", "NativeBuildError", "build", "library_path", "enable", "disable", "enabled", "recorded", "launches"]
+__all__ = ["SOURCE", "OPS", "NativeBuildError", "build", "library_path", "enable", "direct", "disable", "enabled",
+           "recorded", "launches"]
 
 SOURCE = Path(__file__).with_name("native_ops.cpp")
 OPS = ("softmax", "log_softmax")
@@ -53,6 +64,11 @@ _lock = threading.Lock()
 _module: Any = None  # the loaded extension, once enable() found one
 _kernels: dict[int, tuple[Callable[..., Any], str, tuple]] = {}  # op -> (Python Autograd kernel, family, plan options)
 _kept: dict[tuple, Any] = {}  # what each record replays: plan key -> plan (keeps its module loaded)
+_watching = False  # whether DISPATCHER.on_clear calls _forget
+# per operator of OPS: the softmax family's options as call_family takes them and keys its plans, and the
+# public function its errors name (as autosoft.api's Python path calls call_family)
+_PUBLIC: tuple[tuple[dict[str, Any] | None, tuple, str], ...] = (
+    (None, (), "autosoft.softmax"), ({"log": True}, (("log", True),), "autosoft.log_softmax"))
 
 
 def _name(torch: Any) -> str:
@@ -138,7 +154,6 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], str, tuple]] | None =
     (called for every call the compiled one does not take), the family it calls and that family's
     options as arrays.call_family keys its plans (the operator's declared plan_options);
     autosoft.torch_ops.register() passes them, and a later call (after `build`) may leave them out."""
-    global _module
     with _lock:
         if kernels is not None:
             _kernels.clear()
@@ -147,25 +162,60 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], str, tuple]] | None =
             return False
         if not _kernels:
             raise RuntimeError("autosoft.native.enable: import autosoft.torch_ops first (it passes the kernels)")
-        launch = _cu_launch_kernel()
+        launch = _loaded()
         if launch is None:
             return False
-        if _module is None:
-            try:
-                path = library_path()
-            except UserError:  # AUTOSOFT_CACHE_DIR names a file: the calls will say so; importing must not
-                return False
-            if not path.exists():
-                return False
-            _module = _load(path)
         if not _module.enabled():
             _module.enable(launch, _miss)
-            DISPATCHER.on_clear(_forget)
-        return True
+        if not _module.direct_on():
+            _module.init(launch, _direct_miss)
+    from . import api
+
+    api._direct_reset()  # the public functions may have found no build before: they ask again
+    return True
+
+
+def direct() -> tuple[Callable[[Any, Any, Any], Any], Callable[[Any, Any, Any], Any]] | None:
+    """The compiled first steps of autosoft.softmax and autosoft.log_softmax, each f(x, dim, out)
+    -> the output of a recorded plan, or None where the public function's Python path is to run;
+    loads the extension where it is built. None where it is not built, AUTOSOFT_NATIVE is 0 or no
+    CUDA driver is present. Needs no autosoft.torch_ops (no operator is registered)."""
+    with _lock:
+        if os.environ.get("AUTOSOFT_NATIVE", "").strip() == "0":
+            return None
+        launch = _loaded()
+        if launch is None:
+            return None
+        if not _module.direct_on():
+            _module.init(launch, _direct_miss)
+        return _module.softmax_direct, _module.log_softmax_direct
+
+
+def _loaded() -> int | None:
+    """The address of cuLaunchKernel once the extension is loaded (and dispatcher clears drop its
+    records); None where there is no driver or no build. Called with _lock held."""
+    global _module, _watching
+    launch = _cu_launch_kernel()
+    if launch is None:
+        return None
+    if _module is None:
+        try:
+            path = library_path()
+        except UserError:  # AUTOSOFT_CACHE_DIR names a file: the calls will say so; importing must not
+            return None
+        if not path.exists():
+            return None
+        _module = _load(path)
+    if not _watching:
+        DISPATCHER.on_clear(_forget)
+        _watching = True
+    return launch
 
 
 def disable() -> None:
-    """Deregister the compiled kernels (the Python ones serve CUDA tensors again) and drop the records."""
+    """Deregister the compiled kernels (the Python ones serve CUDA tensors again), turn the public
+    functions' compiled first steps off (their Python path serves every call) and drop the records;
+    enable() turns both on again."""
     with _lock:
         if _module is not None:
             _module.disable()
@@ -175,6 +225,11 @@ def disable() -> None:
 def enabled() -> bool:
     """Whether the compiled kernels are registered."""
     return _module is not None and bool(_module.enabled())
+
+
+def direct_enabled() -> bool:
+    """Whether autosoft.softmax's and log_softmax's compiled first steps launch recorded plans."""
+    return _module is not None and bool(_module.direct_on())
 
 
 def recorded() -> int:
@@ -216,14 +271,33 @@ def _miss(op: int, keyset: Any, x: Any, dim: int) -> Any:
     if dim == -1 and type(x) is sys.modules["torch"].Tensor and x.is_cuda:
         key = (family, options, (), x.dtype, x.shape, x.get_device())
         if key not in _kept:
-            plan = DISPATCHER.fast.get(key)
-            native = getattr(plan, "native", None)
-            if native is not None:
-                pointers = dict((at, word) for word, at in native.pointers)
-                _module.record(op, x, native.function, list(native.geometry), list(native.words),
-                               pointers[0], pointers[1])
-                _kept[key] = plan
+            _record(op, x, DISPATCHER.fast.get(key), key)
     return y
+
+
+def _direct_miss(op: int, x: Any) -> Any:
+    """A public call (autosoft.softmax or log_softmax on a plain CUDA tensor along the last dim, no
+    out) whose plan the compiled first step has no record of: the public function's Python path,
+    then the plan recorded, or marked as one the compiled step leaves to Python."""
+    options, opts, who = _PUBLIC[op]
+    y = call_family("softmax", (x,), options=options, who=None if op == 0 else who)[0]
+    key = ("softmax", opts, (), x.dtype, x.shape, x.get_device())  # call_family's key for this call
+    plan = DISPATCHER.fast.get(key)
+    if plan is not None and key not in _kept and not _record(op, x, plan, key):
+        _module.record_unreplayable(op, x)
+    return y
+
+
+def _record(op: int, x: Any, plan: Any, key: tuple) -> bool:
+    """Record `plan` (made for calls like x) for the compiled kernels where it is a plain launch;
+    whether it was."""
+    native = getattr(plan, "native", None)
+    if native is None:
+        return False
+    pointers = dict((at, word) for word, at in native.pointers)
+    _module.record(op, x, native.function, list(native.geometry), list(native.words), pointers[0], pointers[1])
+    _kept[key] = plan
+    return True
 
 
 def _forget() -> None:

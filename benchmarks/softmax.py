@@ -16,8 +16,10 @@ L2, which on the H200 made it 1-10% faster than writing a buffer of the rotation
 also timed and kept in the JSON as torch_fresh_output_us.
 Running it again with the same --cache re-uses the tuned kernels: the tuned cache for the
 sweep is reproducible with this one command. Last, autosoft.softmax and torch.softmax are
-timed per call from Python (host overhead included) on the tuned 4096x128 float32, in a fresh
-process that loads the cache as a user's program would (--host-only runs just that).
+timed per call from Python (host overhead included) on the tuned 4096x128 float32 and on 1x1, in a
+fresh process that loads the cache as a user's program would (--host-only runs just that, printing
+a table on stderr and the JSON on stdout; with `autosoft native` built, autosoft.softmax takes its
+compiled entry, and the same calls with the extension turned off take turns beside it).
 """
 from __future__ import annotations
 
@@ -137,6 +139,7 @@ def bench_one(torch, problem, cache: Cache, trials: int, seed: int, reps: int, r
 
 
 HOST_SHAPE, HOST_DTYPE = "4096x128", "float32"  # the issue's host-overhead target
+HOST_SHAPES = (HOST_SHAPE, "1x1")  # timed per call in --host-only, each on its own; the first is the summary
 
 
 def host_overhead_in_fresh_process(cache_path: Path) -> dict:
@@ -150,56 +153,86 @@ def host_overhead_in_fresh_process(cache_path: Path) -> dict:
 
 
 def host_overhead(torch, cache_path: Path, calls=2000, rounds=7) -> dict:
-    """Wall time per call from Python (output allocation and launch included) of
-    autosoft.softmax and of its torch operator (torch.ops.autosoft.softmax) with the sweep's cache loaded: the median of `rounds` rounds that take
-    turns, so that a slow spell of the host weighs on both alike."""
+    """Wall time per call from Python (output allocation and launch included) of autosoft.softmax
+    (the public function: its compiled entry where `autosoft native` built the extension) and of
+    its torch operator (torch.ops.autosoft.softmax) against torch.softmax, with the cache loaded,
+    per shape of HOST_SHAPES: the median of `rounds` rounds that take turns, so that a slow spell
+    of the host weighs on all alike. With the extension built, the same calls with it turned off
+    (native.disable: the public function's Python path, the operator's Python kernel) take turns
+    too. The first shape's figures are also the top-level keys (as before the per-shape list)."""
     import autosoft
+    import autosoft.torch_ops  # noqa: F401 - registers torch.ops.autosoft (and the compiled kernels where built)
+    from autosoft import native
     from autosoft.dispatch import DISPATCHER
 
     autosoft.load_cache(str(cache_path))
-    problem = get_family("softmax").problem(HOST_SHAPE, HOST_DTYPE)
-    x = torch.randn(*problem.shape, device="cuda").to(getattr(torch, HOST_DTYPE))
-    def per_call_us(fn) -> float:
-        for _ in range(50):
-            fn(x)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / calls * 1e6
-
-    import autosoft.torch_ops  # noqa: F401 - registers torch.ops.autosoft
-    from autosoft import native
-
     operator = torch.ops.autosoft.softmax
-    contenders = {"autosoft": lambda: per_call_us(autosoft.softmax),
-                  "operator": lambda: per_call_us(lambda t: operator(t, -1)),
-                  "torch": lambda: per_call_us(lambda t: torch.softmax(t, -1))}
-    compiled = native.enabled()  # `autosoft native` built the compiled kernels: the operator is theirs
+    compiled = native.enabled()  # `autosoft native` built the extension: the public entry and the operator's kernel
 
-    def python_kernel_operator() -> float:
-        native.disable()
-        try:
-            return per_call_us(lambda t: operator(t, -1))
-        finally:
-            native.enable()
+    per_shape = []
+    for shape in HOST_SHAPES:
+        problem = get_family("softmax").problem(shape, HOST_DTYPE)
+        x = torch.randn(*problem.shape, device="cuda").to(getattr(torch, HOST_DTYPE))
 
-    if compiled:  # the same operator with the Python kernels, in the same turns
-        contenders["operator_python"] = python_kernel_operator
-    medians = medians_in_turns(contenders, rounds)
-    out = {f"{name}_us_per_call": us for name, us in medians.items()}
-    out["ratio"] = out["autosoft_us_per_call"] / out["torch_us_per_call"]
-    out["operator_ratio"] = out["operator_us_per_call"] / out["torch_us_per_call"]
-    out["operator_kernel"] = "compiled (autosoft.native)" if compiled else "Python"
-    if compiled:
-        out["operator_python_ratio"] = out["operator_python_us_per_call"] / out["torch_us_per_call"]
-        out["operator_compiled_launches"] = native.launches()
-    out["rounds"], out["calls_per_round"] = rounds, calls
-    out["shape"], out["dtype"] = HOST_SHAPE, HOST_DTYPE
-    choice = DISPATCHER.choose(problem)
-    out["variant"], out["variant_source"] = choice.variant.name, choice.source  # "tuned" from the cache
-    return out
+        def per_call_us(fn) -> float:
+            for _ in range(50):
+                fn(x)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / calls * 1e6
+
+        def without_extension(fn) -> float:
+            native.disable()
+            try:
+                return per_call_us(fn)
+            finally:
+                native.enable()
+
+        contenders = {"autosoft": lambda: per_call_us(autosoft.softmax),
+                      "operator": lambda: per_call_us(lambda t: operator(t, -1)),
+                      "torch": lambda: per_call_us(lambda t: torch.softmax(t, -1))}
+        if compiled:  # the same calls with the Python paths, in the same turns
+            contenders["autosoft_python"] = lambda: without_extension(autosoft.softmax)
+            contenders["operator_python"] = lambda: without_extension(lambda t: operator(t, -1))
+        launched = native.launches()
+        medians = medians_in_turns(contenders, rounds)
+        out = {f"{name}_us_per_call": us for name, us in medians.items()}
+        torch_us = out["torch_us_per_call"]
+        out["ratio"] = out["autosoft_us_per_call"] / torch_us
+        out["operator_ratio"] = out["operator_us_per_call"] / torch_us
+        out["operator_kernel"] = "compiled (autosoft.native)" if compiled else "Python"
+        out["autosoft_path"] = "compiled entry (autosoft.native)" if native.direct_enabled() else "Python"
+        if compiled:
+            out["autosoft_python_ratio"] = out["autosoft_python_us_per_call"] / torch_us
+            out["operator_python_ratio"] = out["operator_python_us_per_call"] / torch_us
+            # calls launched from C++ (public entry and operator kernel): 0 means the plan is not replayable
+            out["compiled_launches"] = native.launches() - launched
+        choice = DISPATCHER.choose(problem)
+        out["shape"], out["dtype"] = shape, HOST_DTYPE
+        out["variant"], out["variant_source"] = choice.variant.name, choice.source  # "tuned" from the cache
+        per_shape.append(out)
+    result = {**per_shape[0], "shapes": per_shape, "rounds": rounds, "calls_per_round": calls,
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    return result
+
+
+def print_host_table(h: dict, file=sys.stderr) -> None:
+    """The --host-only figures as a table (µs per call; ratio to torch.softmax in the same turns)."""
+    print(f"per call from Python, {h['dtype']}, median of {h['rounds']} rounds of {h['calls_per_round']} calls "
+          f"taking turns ({h.get('gpu', '')}, torch {h.get('torch', '')})", file=file)
+    print("| shape | torch.softmax µs | autosoft.softmax µs | ratio | path | autosoft.softmax, Python path µs "
+          "| ratio | operator µs | ratio | C++ launches | variant |", file=file)
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|", file=file)
+    for r in h.get("shapes", [h]):
+        python = r.get("autosoft_python_us_per_call")
+        print(f"| {r['shape']} | {r['torch_us_per_call']:.2f} | {r['autosoft_us_per_call']:.2f} | {r['ratio']:.2f} "
+              f"| {r.get('autosoft_path', 'Python')} | {'-' if python is None else f'{python:.2f}'} "
+              f"| {'-' if python is None else format(r['autosoft_python_ratio'], '.2f')} "
+              f"| {r['operator_us_per_call']:.2f} | {r['operator_ratio']:.2f} | {r.get('compiled_launches', 0)} "
+              f"| {r['variant_source']} {r['variant']} |", file=file)
 
 
 def main() -> int:
@@ -216,15 +249,17 @@ def main() -> int:
     parser.add_argument("--mode", choices=MODES, default="forward",
                         help="forward (softmax), log (log-softmax), backward, log_backward")
     parser.add_argument("--host-only", action="store_true",
-                        help="only time autosoft.softmax against torch.softmax from Python on the tuned "
-                             f"{HOST_SHAPE} {HOST_DTYPE} in --cache; print the result as JSON")
+                        help="only time autosoft.softmax against torch.softmax from Python on "
+                             f"{' and '.join(HOST_SHAPES)} {HOST_DTYPE} (tuned in --cache); print the result as JSON")
     args = parser.parse_args()
     if args.host_only and not args.cache.is_file():
         parser.error(f"--cache {args.cache} does not exist; run the sweep into it first")
     import torch
 
     if args.host_only:
-        print(json.dumps(host_overhead(torch, args.cache)))
+        result = host_overhead(torch, args.cache)
+        print_host_table(result)
+        print(json.dumps(result))
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -251,9 +286,9 @@ def main() -> int:
                 if "error" not in r else f"ERROR {r['error']}"), flush=True)
     overhead = None
     if args.mode == "forward":
-        # the host figure is for a tuned variant: tune the shape into the cache if the sweep had not
-        tuned_kernel(family, family.problem(HOST_SHAPE, HOST_DTYPE), cache, args.trials, runner=runner,
-                     seed=args.seed)
+        # the host figures are for tuned variants: tune the shapes into the cache if the sweep had not
+        for shape in HOST_SHAPES:
+            tuned_kernel(family, family.problem(shape, HOST_DTYPE), cache, args.trials, runner=runner, seed=args.seed)
     runner.close()
     if args.mode == "forward":
         overhead = host_overhead_in_fresh_process(args.cache)
@@ -291,6 +326,7 @@ def print_table(result: dict) -> None:
           f"{h.get('operator_kernel', 'Python')} kernel)"
           + (f"; with the Python kernel {h['operator_python_us_per_call']:.2f} us/call "
              f"(ratio {h['operator_python_ratio']:.2f})" if "operator_python_us_per_call" in h else ""))
+    print_host_table(h, sys.stdout)
 
 
 if __name__ == "__main__":

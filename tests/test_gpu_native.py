@@ -175,3 +175,144 @@ def test_disabled_the_python_kernels_serve_again():
     launched = native.launches()
     ops.softmax(x, -1)
     assert native.launches() == launched + 1
+
+
+# --- the public functions' compiled first step ------------------------------------------------------
+
+from autosoft import api  # noqa: E402
+from autosoft.arrays import call_family  # noqa: E402
+
+PUBLIC = {False: (autosoft.softmax, torch.softmax, None),
+          True: (autosoft.log_softmax, torch.log_softmax, {"log": True})}
+
+
+def python_path(x, log):
+    """What the public function's Python path gives (the plan, no compiled entry)."""
+    return call_family("softmax", (x,), options=PUBLIC[log][2])[0]
+
+
+@pytest.mark.parametrize("shape", [(4096, 128), (1, 1), (3, 5, 1000), (64, 4096), (7, 50257)])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("log", [False, True])
+def test_the_public_functions_launch_recorded_plans_from_cpp_with_the_python_paths_bits(shape, dtype, log):
+    public, reference, _ = PUBLIC[log]
+    first = fresh_input(shape, dtype)
+    launched = native.launches()
+    y_first = public(first)  # no record: the Python path, then the record
+    assert native.launches() == launched
+    replayable = native.recorded() == 1
+    if shape in ((4096, 128), (1, 1)):
+        assert replayable, "the issue's shapes are not replayed from C++"
+    for _ in range(3):
+        x = fresh_input(shape, dtype)
+        y = public(x)
+        assert torch.equal(y, python_path(x, log)), "not the Python path's bits"
+        assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() and y.data_ptr() != x.data_ptr()
+    assert native.launches() == launched + 3 * replayable
+    assert torch.equal(public(first), y_first)
+    torch.testing.assert_close(y_first.float(), reference(first.float(), dim=-1), atol=2e-2 if log else 2e-3,
+                               rtol=1e-2)
+
+
+def test_a_record_serves_its_own_shape_operator_and_dtype_only():
+    x = fresh_input((256, 512), F32)
+    autosoft.softmax(x)
+    assert native.recorded() == 1
+    launched = native.launches()
+    assert torch.equal(autosoft.softmax(x), python_path(x, False))
+    assert torch.equal(autosoft.softmax(x, 1), python_path(x, False)), "the last dim by its index"
+    assert native.launches() == launched + 2
+    # another shape, the other operator, another dtype: each its own first call through Python, then
+    # launched from C++ where its plan is replayable
+    for log, other in ((False, fresh_input((512, 256), F32)), (False, fresh_input((256, 1024), F32)),
+                       (True, x), (False, x.half())):
+        public, reference, _ = PUBLIC[log]
+        before, records = native.launches(), native.recorded()
+        y = public(other)
+        assert native.launches() == before, "a record of another call launched"
+        torch.testing.assert_close(y.float(), reference(other.float(), dim=-1), atol=2e-2 if log else 2e-3, rtol=1e-2)
+        replayable = native.recorded() - records
+        assert replayable in (0, 1)
+        assert torch.equal(public(other), y) and native.launches() == before + replayable
+
+
+def test_calls_the_entry_does_not_take_go_to_python():
+    x = fresh_input((256, 512), F32)
+    autosoft.softmax(x)
+    launched = native.launches()
+    torch.testing.assert_close(autosoft.softmax(x, dim=0), torch.softmax(x, dim=0))
+    out = torch.empty_like(x)
+    assert autosoft.softmax(x, out=out) is out and torch.equal(out, python_path(x, False))
+    torch.testing.assert_close(autosoft.softmax(x.t().contiguous().t()), torch.softmax(x, dim=-1))
+    g = x.detach().clone().requires_grad_(True)
+    assert autosoft.softmax(g).grad_fn is not None  # the operator, with its backward
+    empty = fresh_input((0, 128), F32)
+    assert autosoft.softmax(empty).shape == (0, 128) and autosoft.softmax(empty).shape == (0, 128)
+    assert native.launches() == launched, "the compiled entry launched a call it must leave to Python"
+    assert native.recorded() == 1, "an empty input's plan is no record that launches"
+    with pytest.raises(TypeError, match="autosoft.log_softmax: unsupported dtype"):
+        autosoft.log_softmax(torch.zeros(4, 8, device="cuda", dtype=torch.int64))
+
+
+def test_autosoft_native_0_keeps_the_python_path(monkeypatch):
+    x = fresh_input((128, 512), F32)
+    monkeypatch.setenv("AUTOSOFT_NATIVE", "0")
+    api._direct_reset()
+    try:
+        launched = native.launches()
+        for _ in range(3):
+            assert torch.equal(autosoft.softmax(x), python_path(x, False))
+        assert native.launches() == launched and api._softmax_direct is api._no_direct
+    finally:
+        monkeypatch.delenv("AUTOSOFT_NATIVE")
+        api._direct_reset()
+    autosoft.softmax(x)
+    launched = native.launches()
+    autosoft.softmax(x)
+    assert native.launches() == launched + 1, "the entry did not come back once AUTOSOFT_NATIVE was unset"
+
+
+def test_the_public_entry_launches_on_the_current_stream_and_in_a_cuda_graph():
+    x = fresh_input((1024, 256), F16)
+    autosoft.softmax(x)  # recorded
+    expected = python_path(x, False)
+    new = fresh_input((1024, 256), F16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    launched = native.launches()
+    with torch.cuda.stream(stream):
+        # the input rewritten on this stream after a wait: a launch on any other stream reads the old data
+        torch.cuda._sleep(50_000_000)
+        x.copy_(new)
+        y = autosoft.softmax(x)
+    assert native.launches() == launched + 1
+    stream.synchronize()
+    assert torch.equal(y, python_path(new, False)) and not torch.equal(y, expected)
+    static = fresh_input((1024, 256), F16)
+    with torch.cuda.stream(stream):
+        autosoft.softmax(static)  # warm-up on a side stream, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    launched = native.launches()
+    with torch.cuda.graph(graph):
+        y = autosoft.softmax(static)
+    assert native.launches() == launched + 1
+    for _ in range(2):
+        static.copy_(fresh_input((1024, 256), F16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, python_path(static, False))
+
+
+def test_the_entrys_output_has_the_python_paths_strides():
+    """A contiguous input may have any stride on a dimension of size 1; torch.empty_like (the Python
+    path) keeps it, and so must the compiled entry's allocation."""
+    x = torch.empty_strided((4, 1, 8), (8, 1, 1), device="cuda")
+    x.copy_(fresh_input((4, 1, 8), F32))
+    assert x.is_contiguous()
+    first = autosoft.softmax(x)
+    launched = native.launches()
+    y = autosoft.softmax(x)
+    assert native.launches() == launched + 1
+    assert y.stride() == first.stride() == python_path(x, False).stride() == x.stride()
+    assert torch.equal(y, first)

@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import autosoft  # noqa: E402
 import autosoft.torch_ops  # noqa: E402,F401 - defines torch.ops.autosoft
 from autosoft import native  # noqa: E402
 from helpers import cli_env, run_cli, run_cli_read_only_honoured  # noqa: E402
@@ -154,3 +155,118 @@ def test_two_processes_building_at_once_both_load_a_whole_library(built_at_once)
     _, programs, built = built_at_once
     assert [code for code, _, _ in programs] == [0, 0], [err[-400:] for _, _, err in programs]
     assert programs[0][1] == programs[1][1] and programs[0][1].strip() == str(built[0])
+
+
+# --- the public functions' compiled first step (softmax_direct, log_softmax_direct) ---------------
+
+def test_the_public_entries_take_no_call_they_cannot_launch(module):
+    """Every call that is not a plain CUDA tensor along the last dim without out gets None (the
+    public function's Python path then runs), and none reaches the miss callback (which runs that
+    path and records): host, meta and subclass tensors, other dims, out, non-arrays."""
+    assert module.softmax_direct(torch.randn(4, 8), -1, None) is None, "before init the entries take nothing"
+    misses = []
+    module.init(1, lambda op, x: misses.append(op))  # a stand-in driver address: nothing is launched here
+    try:
+        assert module.direct_on()
+        x = torch.randn(4, 8)
+        for entry in (module.softmax_direct, module.log_softmax_direct):
+            for args in ((x, -1, None), (x, 1, None), (x, 0, None), (x, -2, None), (x, 2, None), (x, -1, torch.empty(4, 8)), (x, True, None), (x, 2**70, None),
+                         (torch.empty(4, 8, device="meta"), -1, None), (torch.nn.Parameter(x), -1, None),
+                         (x.numpy(), -1, None), (None, -1, None), (x, -1)):
+                assert entry(*args) is None, args
+        assert misses == []
+    finally:
+        module.disable()
+    assert not module.direct_on() and not module.enabled()
+
+
+def test_unreplayable_marks_are_no_records(module):
+    with pytest.raises(RuntimeError, match="no operator"):
+        module.record_unreplayable(2, torch.empty(4, 8, device="meta"))
+    module.record_unreplayable(0, torch.empty(4, 8, device="meta"))
+    try:
+        assert module.size() == 0, "a mark that a plan cannot be replayed is not a record that launches"
+    finally:
+        module.clear()
+
+
+@pytest.fixture
+def with_driver(module, cache_folder, monkeypatch):
+    """autosoft.native as on a GPU machine with the build: a stand-in cuLaunchKernel address (no
+    call here reaches it), this module's cache folder, nothing loaded before; undone after."""
+    from autosoft import api
+
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(cache_folder))
+    monkeypatch.setattr(native, "_cu_launch_kernel", lambda: 1)
+    monkeypatch.setattr(native, "_module", None)
+    api._direct_reset()
+    yield api
+    if native._module is not None:
+        native._module.disable()
+    api._direct_reset()
+
+
+def test_direct_loads_the_build_unless_autosoft_native_is_0(with_driver, monkeypatch):
+    monkeypatch.setenv("AUTOSOFT_NATIVE", "0")
+    assert native.direct() is None and native._module is None
+    monkeypatch.delenv("AUTOSOFT_NATIVE")
+    softmax_entry, log_softmax_entry = native.direct()
+    assert softmax_entry.__name__ == "softmax_direct" and log_softmax_entry.__name__ == "log_softmax_direct"
+    assert native.direct_enabled() and not native.enabled(), "no operator kernel is registered by the public path"
+    native.disable()
+    assert not native.direct_enabled()
+
+
+def test_host_tensors_load_nothing_and_keep_the_public_error(with_driver):
+    api = with_driver
+    with pytest.raises(TypeError, match="CPU tensor"):
+        autosoft.softmax(torch.randn(4, 8))
+    assert api._softmax_direct is api._softmax_first and native._module is None, "loaded for a host tensor"
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_compile_traces_the_public_functions_as_operators_with_the_entries_installed_or_not(
+        with_driver, no_kernels, installed):
+    """torch.compile (fullgraph: a call into the extension would break the graph) sees the
+    operators whether the public functions still hold their loader or the compiled entries."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    api = with_driver
+    if installed:
+        api._softmax_direct, api._log_softmax_direct = native.direct()
+        api._compiling = torch.compiler.is_dynamo_compiling
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: autosoft.softmax(x) + autosoft.log_softmax(x), backend=backend, fullgraph=True)
+    with FakeTensorMode():
+        assert compiled(torch.empty(4, 8, device="cuda")).shape == (4, 8)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function" and "autosoft" in str(n.target)]
+    assert targets == ["autosoft.softmax.default", "autosoft.log_softmax.default"]
+    torch._dynamo.reset()
+
+
+def test_the_public_functions_return_what_their_entry_gives_and_fall_through_on_none(monkeypatch):
+    """The wiring, with stand-in entries: each public function hands (x, dim, out) to its own entry
+    and returns its result untouched; on None its Python path runs (here: the host tensor's error)."""
+    from autosoft import api
+
+    calls = []
+
+    def entry(name, result):
+        return lambda x, dim, out: calls.append((name, x, dim, out)) or result
+
+    sentinel = object()
+    monkeypatch.setattr(api, "_compiling", lambda: False)
+    monkeypatch.setattr(api, "_softmax_direct", entry("softmax", sentinel))
+    monkeypatch.setattr(api, "_log_softmax_direct", entry("log_softmax", None))
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    assert autosoft.softmax(x, 0, out) is sentinel
+    with pytest.raises(TypeError, match="autosoft.log_softmax: x is a CPU tensor"):
+        autosoft.log_softmax(x)
+    assert [(name, a is x, dim, o) for name, a, dim, o in calls] == [("softmax", True, 0, out),
+                                                                     ("log_softmax", True, -1, None)]
