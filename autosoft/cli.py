@@ -660,8 +660,8 @@ def cmd_native(args: argparse.Namespace) -> int:
                         "point AUTOSOFT_CACHE_DIR at a writable folder") from None
     took = "" if existed else f" in {time.perf_counter() - started:.0f} s"
     print(f"{'already built' if existed else 'built'}{took}: {path}")
-    print("torch.ops.autosoft.softmax and log_softmax take it from the next `import autosoft.torch_ops` "
-          "(AUTOSOFT_NATIVE=0 leaves it unloaded)")
+    print("torch.ops.autosoft.softmax/log_softmax and autosoft.softmax/log_softmax use it from the next "
+          "process (AUTOSOFT_NATIVE=0 leaves it unloaded)")
     return 0
 
 
