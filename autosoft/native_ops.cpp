@@ -214,7 +214,10 @@ bool direct_takes(const at::Tensor& x) {
     return false;
   }
   const c10::impl::LocalDispatchKeySet local = c10::impl::tls_local_dispatch_key_set();
-  const c10::DispatchKeySet keys = ((x.key_set() | local.included_) - local.excluded_) - c10::autocast_dispatch_keyset;
+  // BackendSelect is in every thread's included set; it serves factory functions only, and the dispatcher
+  // passes an operator on tensors straight through it
+  const c10::DispatchKeySet keys = (((x.key_set() | local.included_) - local.excluded_) - c10::autocast_dispatch_keyset)
+                                       .remove(c10::DispatchKey::BackendSelect);
   const c10::DispatchKey top = keys.highestPriorityTypeId();
   return (top == c10::DispatchKey::AutogradCUDA || top == c10::DispatchKey::CUDA) && goes_to_cuda(keys) &&
          !at::impl::torch_function_mode_enabled() && !torch::jit::tracer::isTracing();
