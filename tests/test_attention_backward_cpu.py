@@ -97,6 +97,7 @@ def test_deterministic_problems_take_ordered_adds_only():
 @pytest.mark.parametrize("shape, options, default_add, order, seed_add", [
     ("4,16,4096,128", {}, "writer", "keys", "atomic"),
     ("4,16,4096,128", {"causal": True}, "writer", "keys", "atomic"),
+    ("2,32,4096,128", {"causal": True, "kv_heads": 8}, "writer", "heads", "atomic"),  # grouped heads
     ("4,16,4096,128", {"causal": True, "deterministic": True}, "writer_ordered", "heads", "ordered"),
     ("2,8,60,64", {"causal": True}, "atomic", "heads", "writer"),  # too few queries for 128 a step
     ("2,8,60,64", {"causal": True, "deterministic": True}, "writer_ordered", "heads", "ordered")])
@@ -104,7 +105,8 @@ def test_the_dq_writer_is_the_default_at_64_queries_a_step_from_head_dim_128_and
         shape, options, default_add, order, seed_add):
     """At 64 queries a step the writer warp adds dQ by default where a consumer's dQ tile is 128
     wide or the adds must be ordered (the consumers' atomics at D = 64 otherwise), and a causal
-    mask walks key tiles slowest except under the unordered writer; the first seed adds dQ the
+    mask walks key tiles slowest except under the unordered writer without grouped query heads;
+    the first seed adds dQ the
     other way. At D = 128 with two consumers the writer's two dQ tiles leave no room for a second
     dS^T buffer, so it takes one; the variant is named for its adds and holds the bulk reduce
     only with the writer."""

@@ -68,16 +68,19 @@ class WgmmaBackwardEngine(Engine):
         keys there are. 128 queries a step where that fits (D 64), dQ added by the consumers; else
         64, dQ added by the writer warp where a consumer's dQ tile is widest (D 128 and more) or the
         adds must be ordered, by the consumers' atomics otherwise. Key tiles slowest under a causal
-        mask (the heaviest blocks first), but not where the writer adds dQ unordered: its adds
-        leave the consumers free, and a block's keys walk the query tiles in order best there.
+        mask (the heaviest blocks first), but not where the writer adds dQ unordered for a head of
+        its own (no grouped query heads): its adds leave the consumers free, and the key tiles of a
+        head launched together share its Q and dO in L2.
         None where no point is valid (the mma engine's default then)."""
         deterministic = "deterministic" in problem.flags
         plain = "ordered" if deterministic else "atomic"
         writer = "writer_ordered" if deterministic else "writer"
         by_writer = deterministic or problem.shape[3] >= 128
+        grouped = self.family.kv(problem)[0] < problem.shape[1]  # type: ignore[attr-defined]
         for block_m, adders in ((128, (plain,)), (64, (writer, plain) if by_writer else (plain,))):
             for dq_add in adders:
-                order = "heads" if "causal" in problem.flags and dq_add != "writer" else "keys"
+                keys_first = "causal" not in problem.flags or (dq_add == "writer" and not grouped)
+                order = "keys" if keys_first else "heads"
                 for p in ({"block_n": 128, "stages": 2, "ds_buffers": 2}, {"block_n": 128, "stages": 2, "ds_buffers": 1},
                           {"block_n": 64, "stages": 2, "ds_buffers": 2}, {"block_n": 64, "stages": 1, "ds_buffers": 1}):
                     p = {**p, "block_m": block_m, "tile_order": order, "dq_add": dq_add}
