@@ -32,7 +32,8 @@ from .dispatch import cache_key, find_selector, key_distance, nvrtc_match
 from .errors import UserError
 from .evaluate import Outcome, Status
 from .families import get_family
-from .families.base import Family, Problem, Target, Variant, build_variant, space_of
+from .families.base import Family, Problem, Target, Variant, build_variant, is_valid, space_of
+from .families.base import valid_points as family_valid_points
 from .runners import GpuRunner, Pending, Runner
 from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
@@ -214,20 +215,20 @@ def evaluation_launches(family: Family) -> int:
 
 def valid_points(family: Family, problem: Problem, target: Target,
                  candidates: list[dict[str, ParamValue]] | None) -> list[dict[str, ParamValue]]:
-    """The points the search may propose: every valid point of the space, or, when the runner
-    can evaluate only some (a replay), those of its candidates that are valid in the current
-    space (a recorded point whose parameter or value the space no longer declares drops out)."""
-    space = space_of(family)
-    values = family.problem_values(problem, target)
+    """The points the search may propose: every valid point of the space on this target (no
+    engine built for another architecture), or, when the runner can evaluate only some (a
+    replay), those of its candidates that are valid in the current space (a recorded point whose
+    parameter or value the space no longer declares drops out)."""
     if candidates is None:
-        return space.valid_points(values)
+        return family_valid_points(family, problem, target)
+    space = space_of(family)
     out: list[dict[str, ParamValue]] = []
     for params in candidates:
         try:
             checked = space.check_values(params)
         except UserError:
             continue
-        if not space.violations(checked, values) and checked not in out:
+        if is_valid(family, problem, target, checked) and checked not in out:
             out.append(checked)
     return out
 

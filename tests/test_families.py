@@ -97,3 +97,24 @@ def test_distance_is_infinite_across_options_by_default():
     assert family.problem_distance(a, b) == pytest.approx(2.0)
     assert family.problem_distance(a, family.problem("100", None, {"split": 8})) == math.inf
     assert Problem("faulty", "float32", (3,)).flags == ()
+
+
+@pytest.mark.parametrize("name", ["attention", "attention_backward", "attention_varlen"])
+def test_valid_points_leave_out_engines_built_for_another_architecture(name):
+    """What a tune may propose on an A100 holds no Hopper-only (wgmma) point, whatever the space's
+    constraints say; on sm_90 both engines' points are there."""
+    from autosoft.families.base import Target, space_of, valid_points
+    from autosoft.tune import valid_points as search_points
+
+    family = registry.get_family(name)
+    shape, dtype, options = family.examples[-1]
+    problem = family.problem(shape, dtype, options)
+    for arch, engines in (("80", {"mma"}), ("90", {"mma", "wgmma"})):
+        target = Target.for_arch(arch)
+        points = valid_points(family, problem, target)
+        assert {p["engine"] for p in points} == engines
+        assert search_points(family, problem, target, None) == points
+        assert all(family.is_valid(problem, target, p) for p in points[::97])
+    everything = space_of(family).valid_points(family.problem_values(problem, Target.for_arch("80")))
+    assert search_points(family, problem, Target.for_arch("80"), everything) == valid_points(
+        family, problem, Target.for_arch("80")), "a replay's candidates are filtered the same way"

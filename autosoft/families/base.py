@@ -737,6 +737,17 @@ def build_variant(family: Family, problem: Problem, params: Mapping[str, Any], t
                    tuple(l.kernel for l in launches))
 
 
+def valid_points(family: Family, problem: Problem, target: Target) -> list[dict[str, Any]]:
+    """Every valid point of the family's space for this problem on this target, in the space's
+    order, the points of engines built for other architectures left out (the space's constraints
+    do not name the architecture an engine's instructions need)."""
+    points = space_of(family).valid_points(family.problem_values(problem, target))
+    if not family.engines:
+        return points
+    serving = {engine.name for engine in family.engines if target.arch in engine.archs}
+    return [p for p in points if p["engine"] in serving]
+
+
 def is_valid(family: Family, problem: Problem, target: Target, params: Mapping[str, Any]) -> bool:
     """Whether params are declared values that satisfy every constraint for this problem."""
     space = space_of(family)

@@ -32,7 +32,7 @@ from ..dtypes import DTYPES, OUTPUT_DTYPES
 from ..errors import UserError
 from ..export import kernel_parameters
 from ..families.base import (SUPPORTED_ARCHS, Family, Problem, Target, build_variant, space_of, template_folders,
-                             template_root)
+                             template_root, valid_points)
 from ..render import check_references, render
 
 __all__ = [
@@ -69,7 +69,7 @@ def sample_points(family: Family, problem: Problem, target: Target, k: int, seed
     fixed seed, each once: the variants a test checks."""
     picks = [family.default_params(problem, target), *family.seed_params(problem, target)[:seeds]]
     if k:
-        valid = space_of(family).valid_points(family.problem_values(problem, target))
+        valid = valid_points(family, problem, target)  # no engine built for another architecture
         picks += random.Random(seed).sample(valid, min(k, len(valid)))
     unique: list[dict[str, Any]] = []
     for p in picks:
