@@ -24,8 +24,9 @@ then the record, or a mark that the plan cannot be replayed (so those calls go t
 
 The extension is built by torch.utils.cpp_extension into <cache folder>/native/<name>, the cache
 folder being kernels.sqlite's (AUTOSOFT_CACHE_DIR or the user cache), <name> naming a sha256 of the
-source, the torch version and the Python ABI: a new torch or autosoft builds anew. It is never built
-on import (a build takes tens of seconds); `enable` and `direct` only load one that exists. AUTOSOFT_NATIVE=0
+source, the torch version and build, and the Python ABI: a new torch or autosoft builds anew. It is never
+built on import (a build takes tens of seconds); `enable` and `direct` only load one that exists (one that
+will not load gives a warning, and the Python paths serve). AUTOSOFT_NATIVE=0
 keeps it unloaded. Records are dropped, with the plans they replay, whenever the dispatcher clears
 its caches (load_cache, forget). Needs torch; imported by autosoft.torch_ops, the CLI, and autosoft.api
 at the first call of autosoft.softmax or log_softmax on a CUDA tensor.
@@ -40,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -72,8 +74,11 @@ _PUBLIC: tuple[tuple[dict[str, Any] | None, tuple, str], ...] = (
 
 
 def _name(torch: Any) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + b"\0" + torch.__version__.encode() + b"\0"
-                            + sys.implementation.cache_tag.encode()).hexdigest()[:16]
+    # the torch build too, not its version only: PyPI's, conda-forge's and a source build of one
+    # version link differently (C++ ABI, symbols), and a cache folder may serve several environments
+    build = f"{getattr(torch.version, 'git_version', '')}:{getattr(torch._C, '_GLIBCXX_USE_CXX11_ABI', '')}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + b"\0" + torch.__version__.encode() + b"\0" + build.encode()
+                            + b"\0" + sys.implementation.cache_tag.encode()).hexdigest()[:16]
     return f"autosoft_native_{digest}"
 
 
@@ -205,7 +210,14 @@ def _loaded() -> int | None:
             return None
         if not path.exists():
             return None
-        _module = _load(path)
+        try:
+            _module = _load(path)
+        except (ImportError, OSError) as exc:
+            # never an error for every call: the Python paths serve as without the build
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            warnings.warn(f"autosoft native: cannot load {path} ({first}); the Python paths serve instead. "
+                          "Rebuild it with `autosoft native --force`", RuntimeWarning, stacklevel=2)
+            return None
     if not _watching:
         DISPATCHER.on_clear(_forget)
         _watching = True

@@ -208,7 +208,9 @@ at::Tensor run(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t di
 // dispatcher would compute for an operator on x: the tensor's and the thread's. Above autograd nothing
 // may intervene (vmap, functorch, a Python dispatcher; autocast changes nothing here), below it nothing but
 // the CUDA backend (dispatch modes, functionalization); no torch function mode (it would not see the
-// allocation) and no JIT tracer (it would record the allocation and not the launch).
+// allocation) and no JIT tracer (it would record the allocation and not the launch). Without autograd
+// (under inference_mode, or an inference tensor outside it) the first key is ADInplaceOrView, which
+// passes an operator that neither views nor writes its input straight through.
 bool direct_takes(const at::Tensor& x) {
   if (!x.is_cuda() || !x.is_contiguous() || (x.requires_grad() && at::GradMode::is_enabled())) {
     return false;
@@ -219,7 +221,9 @@ bool direct_takes(const at::Tensor& x) {
   const c10::DispatchKeySet keys = (((x.key_set() | local.included_) - local.excluded_) - c10::autocast_dispatch_keyset)
                                        .remove(c10::DispatchKey::BackendSelect);
   const c10::DispatchKey top = keys.highestPriorityTypeId();
-  return (top == c10::DispatchKey::AutogradCUDA || top == c10::DispatchKey::CUDA) && goes_to_cuda(keys) &&
+  return (top == c10::DispatchKey::AutogradCUDA || top == c10::DispatchKey::ADInplaceOrView ||
+          top == c10::DispatchKey::CUDA) &&
+         goes_to_cuda(keys) &&
          !at::impl::torch_function_mode_enabled() && !torch::jit::tracer::isTracing();
 }
 

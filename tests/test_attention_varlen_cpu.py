@@ -113,7 +113,7 @@ def test_the_wgmma_kernel_is_the_sm90_default_and_compiles(shape, opts):
     variant = build_variant(FAMILY, problem, params, SM90)
     # each tile's sequence from the offsets, 3-D boxes at its first token, rows stored per token
     for line in ("tl.q_first = cu_seqlens_q[seq];", "c * 64, tl.hq, tl.q_first + tl.m0);",
-                 "if (tile_first >= tiles_total) return;", "lse[((long long)tl.q_first + qi) * HQ + tl.hq]"):
+                 "if (tile_first >= tiles_total) {", "lse[((long long)tl.q_first + qi) * HQ + tl.hq]"):
         assert line in variant.source, line
     (launch,) = variant.launches
     tiles = (-(-problem.shape[2] // params["block_m"]), problem.shape[1], problem.shape[0])
@@ -220,3 +220,24 @@ def test_a_launch_encodes_packed_maps_over_the_call_s_own_rows(monkeypatch):
     assert fake.calls[1]["dims"] == [128, 2, 3100] and fake.calls[1]["strides"] == [128 * 2, 2 * 128 * 2]
     with pytest.raises(KeyError, match="q_rows"):
         loaded.launcher(names[:8], ("scale",))
+
+
+def test_a_queue_block_without_a_tile_still_counts_itself_out():
+    """The grid covers the longest sequence's tiles in every sequence, so a batch of short ones
+    leaves blocks with no tile. Under the queue the last block to count itself out resets the
+    counter for the next launch: a block that left without counting kept it from ever reaching the
+    grid, so later launches on the same workspace skipped tiles (their rows never written)."""
+    import re
+
+    problem = FAMILY.problem("4,8,1000,128", "bfloat16", {"kv_heads": 2, "causal": True})
+    params = FAMILY.default_params(problem, SM90)
+    assert params["engine"] == "wgmma" and params["queue"]
+    source = build_variant(FAMILY, problem, params, SM90).source
+    idle = re.search(r"if \(tile_first >= tiles_total\) (\{.*?\n  \}|return;)", source, re.S)
+    assert idle, "no exit for a block without a tile"
+    assert "atomicAdd(queue + 1, 1) == (int)gridDim.x - 1" in idle.group(1) and "return;" in idle.group(1)
+    counted_out = source.count("atomicAdd(queue + 1, 1)")
+    assert counted_out == 2, "the idle exit and the producer's end each count a block out"
+    # without a queue no block has anything to count
+    plain = build_variant(FAMILY, problem, {**params, "queue": False}, SM90).source
+    assert "queue" not in re.search(r"if \(tile_first >= tiles_total\) (\{.*?\n  \}|return;)", plain, re.S).group(1)

@@ -155,3 +155,41 @@ def test_the_function_on_sm90_runs_the_wgmma_engine_and_matches_sdpa():
                                                                is_causal=True)
         torch.testing.assert_close(o[a:a + n].transpose(0, 1)[None].float(), ref, atol=2e-2, rtol=2e-2)
     assert not torch.isnan(lse).any()
+
+
+def test_short_batches_then_a_long_one_on_the_same_plan_compute_every_tile():
+    """A serving loop: one bucket (the arrays' shapes and bounds fixed, so one plan and one queue
+    counter in its workspace) and the offsets changing per call. Batches of one-token sequences
+    have fewer tiles than the persistent grid; its idle blocks must still count themselves out of
+    the queue, else the counter is never set back and a later long batch skips tiles (rows of o
+    never written)."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+    from autosoft.runtime import device_info
+
+    if device_info().target.arch != "90":
+        pytest.skip("the wgmma engine needs sm_90")
+    b, hq, hkv, d, longest = 8, 8, 2, 128, 1024
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(b * longest, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(b * longest, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(b * longest, hkv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    shapes = {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "cu_seqlens_q": (b + 1,),
+              "cu_seqlens_k": (b + 1,)}
+    problem = FAMILY.problem_for(shapes, "bfloat16", {"causal": True, "max_seqlen_q": longest, "max_seqlen_k": longest})
+    params = FAMILY.default_params(problem, device_info().target)
+    assert params["engine"] == "wgmma" and params["queue"], params
+    short = torch.arange(b + 1, device="cuda", dtype=torch.int32)  # one token each: b * hq tiles
+    assert b * hq < device_info().target.sm_count * params["blocks_per_sm"], "not fewer tiles than blocks"
+    full = torch.arange(b + 1, device="cuda", dtype=torch.int32) * longest
+    for _ in range(3):
+        autosoft.attention_varlen(q, k, v, short, short, longest, longest, causal=True)
+    for _ in range(2):
+        o = autosoft.attention_varlen(q, k, v, full, full, longest, longest, causal=True)
+        for s in range(b):
+            a = s * longest
+            qs, ks, vs = (x[a:a + longest].transpose(0, 1)[None].float() for x in (q, k, v))
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks.repeat_interleave(hq // hkv, 1), vs.repeat_interleave(hq // hkv, 1), is_causal=True)
+            torch.testing.assert_close(o[a:a + longest].transpose(0, 1)[None].float(), ref, atol=2e-2, rtol=2e-2)
+        autosoft.attention_varlen(q, k, v, short, short, longest, longest, causal=True)

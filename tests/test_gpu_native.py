@@ -316,3 +316,45 @@ def test_the_entrys_output_has_the_python_paths_strides():
     assert native.launches() == launched + 1
     assert y.stride() == first.stride() == python_path(x, False).stride() == x.stride()
     assert torch.equal(y, first)
+
+
+def test_the_public_entry_launches_without_autograd_keys():
+    """Under torch.inference_mode a tensor made outside it, and outside it an inference tensor,
+    dispatch through ADInplaceOrView (no autograd key) to the CUDA kernel: the entry takes both
+    (it once left them to Python), and a tensor that requires gradients under no_grad; each with
+    the Python path's bits, none requiring gradients."""
+    x = fresh_input((512, 256), F16)
+    autosoft.softmax(x)  # recorded
+    expected = python_path(x, False)
+    launched = native.launches()
+    with torch.inference_mode():
+        y = autosoft.softmax(x)
+        inference = x.clone()
+    assert native.launches() == launched + 1, "a tensor made outside inference_mode went to Python in it"
+    assert inference.is_inference()
+    z = autosoft.softmax(inference)
+    assert native.launches() == launched + 2, "an inference tensor went to Python outside inference_mode"
+    with torch.no_grad():
+        w = autosoft.softmax(x.detach().clone().requires_grad_(True))
+    assert native.launches() == launched + 3
+    for out in (y, z, w):
+        assert torch.equal(out, expected) and not out.requires_grad
+
+
+def test_the_public_entry_leaves_misaligned_inputs_and_errors_to_python():
+    """An input whose address a fresh output cannot match mod 16 gets the Python path's realigned
+    output; a dim out of range and a 0-dim input get the Python path's errors, the plan recorded."""
+    x = fresh_input((256, 512), F32)
+    autosoft.softmax(x)  # recorded
+    flat = fresh_input((256 * 512 + 1,), F32)
+    shifted = flat[1:].view(256, 512)
+    launched = native.launches()
+    y = autosoft.softmax(shifted)
+    assert native.launches() == launched
+    assert torch.equal(y, python_path(shifted, False)) and y.data_ptr() % 16 == shifted.data_ptr() % 16
+    for dim in (2, -3):
+        with pytest.raises(IndexError, match="out of range"):
+            autosoft.softmax(x, dim)
+    with pytest.raises(ValueError, match="scalar"):
+        autosoft.log_softmax(torch.tensor(1.0, device="cuda"))
+    assert native.launches() == launched

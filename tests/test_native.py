@@ -270,3 +270,30 @@ def test_the_public_functions_return_what_their_entry_gives_and_fall_through_on_
         autosoft.log_softmax(x)
     assert [(name, a is x, dim, o) for name, a, dim, o in calls] == [("softmax", True, 0, out),
                                                                      ("log_softmax", True, -1, None)]
+
+
+def test_a_build_that_cannot_load_leaves_the_python_paths_with_a_warning(tmp_path, monkeypatch):
+    """A library this process cannot load (one built by another torch build of the same version,
+    through a cache folder two environments share: undefined symbols) must not break every call of
+    autosoft.softmax and every import of autosoft.torch_ops: a warning naming the fix, then the
+    Python paths."""
+    if native._module is not None:
+        pytest.skip("a build is loaded in this process")
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_cu_launch_kernel", lambda: 1)
+    path = native.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    with pytest.warns(RuntimeWarning, match="autosoft native --force"):
+        assert native.direct() is None
+    with pytest.warns(RuntimeWarning, match="autosoft native --force"):
+        assert native.enable() is False
+    assert native._module is None and not _has_kernel("AutogradCUDA")
+
+
+def test_the_library_name_tells_torch_builds_of_one_version_apart(monkeypatch):
+    """Two torch builds with one version string (PyPI's and conda-forge's, a source build) link
+    differently: each gets its own library."""
+    name = native._name(torch)
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)
+    assert native._name(torch) != name
