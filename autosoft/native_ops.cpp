@@ -181,26 +181,33 @@ at::Tensor launch_recorded(int op, const at::Tensor& x, const Record& record) {
   return y;
 }
 
+// The output of the recorded launch for calls like x, or an undefined tensor where none launches: no
+// record, a record that says the plan is not replayable, no key (more dims than a key holds), or an
+// output address the kernel cannot take. `known`: whether Python has nothing to learn from this call
+// (anything but "no record yet").
+at::Tensor launch_if_recorded(int op, const at::Tensor& x, bool& known) {
+  Key key;
+  if (!key_of(op, x, key)) {
+    known = true;
+    return at::Tensor();
+  }
+  std::shared_lock<std::shared_mutex> lock(table_mutex);
+  auto found = table.find(key);
+  known = found != table.end();
+  if (!known || found->second.function == nullptr) {
+    return at::Tensor();
+  }
+  return launch_recorded(op, x, found->second);
+}
+
 at::Tensor run(int op, c10::DispatchKeySet keys, const at::Tensor& x, int64_t dim) {
   if (dim != -1 || (at::GradMode::is_enabled() && x.requires_grad()) || !goes_to_cuda(keys) ||
       !x.is_contiguous()) {
     return miss(op, keys, x, dim);
   }
-  Key key;
-  if (!key_of(op, x, key)) {
-    return miss(op, keys, x, dim);
-  }
-  {
-    std::shared_lock<std::shared_mutex> lock(table_mutex);
-    auto found = table.find(key);
-    if (found != table.end() && found->second.function != nullptr) {
-      at::Tensor y = launch_recorded(op, x, found->second);
-      if (y.defined()) {
-        return y;
-      }
-    }
-  }
-  return miss(op, keys, x, dim);  // not recorded (or not replayable), or an output address the kernel cannot take
+  bool known = false;
+  at::Tensor y = launch_if_recorded(op, x, known);
+  return y.defined() ? y : miss(op, keys, x, dim);
 }
 
 // Whether a public call on this tensor may be launched from here: what the public function's own checks
@@ -245,23 +252,13 @@ PyObject* direct(int op, PyObject* const* args, Py_ssize_t nargs) {
   if (overflow != 0 || (dim != -1 && (dim < 0 || dim != x.dim() - 1)) || !direct_takes(x)) {
     Py_RETURN_NONE;
   }
-  Key key;
-  if (!key_of(op, x, key)) {
-    Py_RETURN_NONE;
+  bool known = false;
+  at::Tensor y = launch_if_recorded(op, x, known);
+  if (y.defined()) {
+    return THPVariable_Wrap(std::move(y));
   }
-  {
-    std::shared_lock<std::shared_mutex> lock(table_mutex);
-    auto found = table.find(key);
-    if (found != table.end()) {
-      if (found->second.function == nullptr) {
-        Py_RETURN_NONE;  // known: this plan is not replayable from here
-      }
-      at::Tensor y = launch_recorded(op, x, found->second);
-      if (!y.defined()) {
-        Py_RETURN_NONE;  // the Python path realigns the output
-      }
-      return THPVariable_Wrap(std::move(y));
-    }
+  if (known) {
+    Py_RETURN_NONE;  // not replayable from here, or an output the Python path realigns
   }
   return (*direct_miss_callable)(op, py::handle(args[0])).release().ptr();
   END_HANDLE_TH_ERRORS
@@ -358,30 +355,28 @@ size_t size() {
   return count;
 }
 
-// Turns the public functions' entries on: cuLaunchKernel's address and autosoft.native._direct_miss.
-void init(uint64_t cu_launch_kernel, py::object direct_miss) {
+// cuLaunchKernel's address, and the Python function a path that cannot launch calls into `slot`
+// (allocated once, never destroyed: see miss_callable).
+void take(uint64_t cu_launch_kernel, py::object*& slot, py::object function) {
   if (cu_launch_kernel == 0) {
     fail("autosoft native: no cuLaunchKernel");
   }
   launch_kernel = reinterpret_cast<LaunchFn>(cu_launch_kernel);
-  if (direct_miss_callable == nullptr) {
-    direct_miss_callable = new py::object(std::move(direct_miss));
+  if (slot == nullptr) {
+    slot = new py::object(std::move(function));
   } else {
-    *direct_miss_callable = std::move(direct_miss);
+    *slot = std::move(function);
   }
+}
+
+// Turns the public functions' entries on: cuLaunchKernel's address and autosoft.native._direct_miss.
+void init(uint64_t cu_launch_kernel, py::object direct_miss) {
+  take(cu_launch_kernel, direct_miss_callable, std::move(direct_miss));
   direct_on = true;
 }
 
 void enable(uint64_t cu_launch_kernel, py::object miss_function) {
-  if (cu_launch_kernel == 0) {
-    fail("autosoft native: no cuLaunchKernel");
-  }
-  launch_kernel = reinterpret_cast<LaunchFn>(cu_launch_kernel);
-  if (miss_callable == nullptr) {
-    miss_callable = new py::object(std::move(miss_function));
-  } else {
-    *miss_callable = std::move(miss_function);
-  }
+  take(cu_launch_kernel, miss_callable, std::move(miss_function));
   if (!registration) {
     // AutogradCUDA: before the Python Autograd kernel (the alias key) for CUDA tensors, and only those
     registration = std::make_unique<torch::Library>(torch::Library::IMPL, "autosoft", c10::DispatchKey::AutogradCUDA,
