@@ -139,13 +139,14 @@ def _first_direct(op: int, x: Any, dim: Any, out: Any) -> Any:
     # function of that name through every family and plug-in (tens of milliseconds)
     from .native import direct
 
-    _softmax_direct, _log_softmax_direct = direct() or (_no_direct, _no_direct)
+    _softmax_direct, _log_softmax_direct = direct(ask_again=_direct_reset) or (_no_direct, _no_direct)
     _compiling = torch.compiler.is_dynamo_compiling
     return (_softmax_direct, _log_softmax_direct)[op](x, dim, out)
 
 
 def _direct_reset() -> None:
-    """Ask autosoft.native again at the next call on a CUDA tensor (it was built or enabled since)."""
+    """Ask autosoft.native again at the next call on a CUDA tensor (autosoft.native.enable calls
+    it: the extension was built or enabled since)."""
     global _softmax_direct, _log_softmax_direct, _compiling
     _softmax_direct, _log_softmax_direct, _compiling = _softmax_first, _log_softmax_first, _torch_compiling
 

@@ -67,6 +67,7 @@ _module: Any = None  # the loaded extension, once enable() found one
 _kernels: dict[int, tuple[Callable[..., Any], str, tuple]] = {}  # op -> (Python Autograd kernel, family, plan options)
 _kept: dict[tuple, Any] = {}  # what each record replays: plan key -> plan (keeps its module loaded)
 _watching = False  # whether DISPATCHER.on_clear calls _forget
+_asking_again: list[Callable[[], None]] = []  # what direct()'s callers gave to be told when enable() loads a build
 # per operator of OPS: the softmax family's options as call_family takes them and keys its plans, and the
 # public function its errors name (as autosoft.api's Python path calls call_family)
 _PUBLIC: tuple[tuple[dict[str, Any] | None, tuple, str], ...] = (
@@ -174,18 +175,23 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], str, tuple]] | None =
             _module.enable(launch, _miss)
         if not _module.direct_on():
             _module.init(launch, _direct_miss)
-    from . import api
-
-    api._direct_reset()  # the public functions may have found no build before: they ask again
+        asking_again = list(_asking_again)
+    for ask_again in asking_again:  # a caller of direct() may have been told None before the build
+        ask_again()
     return True
 
 
-def direct() -> tuple[Callable[[Any, Any, Any], Any], Callable[[Any, Any, Any], Any]] | None:
+def direct(ask_again: Callable[[], None] | None = None
+           ) -> tuple[Callable[[Any, Any, Any], Any], Callable[[Any, Any, Any], Any]] | None:
     """The compiled first steps of autosoft.softmax and autosoft.log_softmax, each f(x, dim, out)
     -> the output of a recorded plan, or None where the public function's Python path is to run;
     loads the extension where it is built. None where it is not built, AUTOSOFT_NATIVE is 0 or no
-    CUDA driver is present. Needs no autosoft.torch_ops (no operator is registered)."""
+    CUDA driver is present. Needs no autosoft.torch_ops (no operator is registered). `ask_again`:
+    called by every later enable() (after `build`, say), so that a caller holding this answer asks
+    again (autosoft.api passes its reset)."""
     with _lock:
+        if ask_again is not None and ask_again not in _asking_again:
+            _asking_again.append(ask_again)
         if os.environ.get("AUTOSOFT_NATIVE", "").strip() == "0":
             return None
         launch = _loaded()

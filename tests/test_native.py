@@ -217,6 +217,21 @@ def test_direct_loads_the_build_unless_autosoft_native_is_0(with_driver, monkeyp
     assert not native.direct_enabled()
 
 
+def test_enable_after_a_build_makes_the_public_functions_ask_again(with_driver, monkeypatch):
+    """A process whose first CUDA call found no build holds the Python path; `autosoft native`
+    building and enabling in that process must hand the public functions the compiled entries
+    (native tells what direct()'s caller gave it, once however often it asked)."""
+    api = with_driver
+    with monkeypatch.context() as before_the_build:
+        before_the_build.setattr(native, "_loaded", lambda: None)
+        assert native.direct(ask_again=api._direct_reset) is None
+        assert native.direct(ask_again=api._direct_reset) is None
+    api._softmax_direct = api._log_softmax_direct = api._no_direct  # what _first_direct holds then
+    assert native._asking_again.count(api._direct_reset) == 1
+    assert native.enable()
+    assert api._softmax_direct is api._softmax_first and api._log_softmax_direct is api._log_softmax_first
+
+
 def test_host_tensors_load_nothing_and_keep_the_public_error(with_driver):
     api = with_driver
     with pytest.raises(TypeError, match="CPU tensor"):
