@@ -11,7 +11,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["refuse_gradients", "no_backward_error", "through_operator"]
+__all__ = ["refuse_gradients", "no_backward_error", "through_operator", "tracing"]
+
+
+def tracing() -> bool:
+    """Whether torch.compile traces this call (torch is never imported here: a CuPy user never
+    loads it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def through_operator(*arrays: Any) -> bool:
@@ -20,7 +27,7 @@ def through_operator(*arrays: Any) -> bool:
     torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
     if torch is None or not arrays or not isinstance(arrays[0], torch.Tensor):
         return False
-    if torch.compiler.is_compiling():
+    if tracing():
         return True
     for array in arrays:
         if isinstance(array, torch.Tensor) and array.requires_grad:

@@ -4,15 +4,9 @@ errors naming the argument, and whether an array is handed to the kernel as it i
 module: the registry imports no family from it."""
 from __future__ import annotations
 
-import sys
 from typing import Any, Mapping
 
-
-def tracing() -> bool:
-    """Whether torch.compile traces: the operator's fake implementation checks the shapes then,
-    and its real one calls python_call again on the real arrays."""
-    torch = sys.modules.get("torch")  # never imported here: a CuPy user never loads torch
-    return torch is not None and torch.compiler.is_compiling()
+from ..autograd import tracing
 
 
 _VALID: set[tuple[Any, ...]] = set()  # (family, then each array's shape and dtype) of calls that passed
@@ -25,7 +19,7 @@ def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[An
     while torch.compile traces (the operator checks then) and where one is no array (the array
     layer says what it is not). A signature that passed once is not checked again: a decode loop
     pays one lookup a step."""
-    if tracing():
+    if tracing():  # the operator's fake implementation checks the shapes; its real one calls python_call again
         return False
     try:
         key = (family.name, *[None if a is None else (a.shape, a.dtype) for a in arrays])
