@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .dispatch import DISPATCHER
-from .dtypes import CUPY_INPUT_NAMES, TORCH_INPUT_NAMES, TORCH_NAMES
+from .dtypes import CUPY_INPUT_NAMES, TORCH_INPUT_NAMES, TORCH_NAMES, check_input_dtypes
 from .families import get_family
 from .families.base import Family, OptionValue, Problem, TensorMap
 
@@ -196,7 +196,8 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
         raise TypeError(f"{who}: expected {len(array_names)} arrays ({', '.join(array_names)}), got {len(arrays)}")
     given = [(n, a) for n, a in zip(array_names, arrays) if a is not None or n not in family.optional_inputs]
     fw.check(who, [n for n, _ in given], [a for _, a in given])
-    dtype = check_dtypes(who, family, [(n, str(a.dtype), fw.dtype(a)) for n, a in given])
+    dtype = check_input_dtypes(who, [(n, str(a.dtype), fw.dtype(a)) for n, a in given], family.dtypes,
+                               family.input_dtypes)
     device = fw.device(arrays[0])
     shapes = {n: tuple(int(s) for s in a.shape) for n, a in given}
     outputs = family.caller_outputs(shapes, dtype, options)
@@ -236,25 +237,6 @@ def _prepare(family: Family, fw: "_Framework", arrays: Sequence[Any], options: M
     # (softmax's) is known now, not asked at each call
     like_first = next(iter(outputs.values())) == (shapes[array_names[0]], dtype) if array_names[0] in shapes else False
     return fw.plan(launch, tuple(outputs.values()), device, family.input_alignment, len(arrays), strided, like_first)
-
-
-def check_dtypes(who: str, family: Family, given: Sequence[tuple[str, str, str | None]]) -> str:
-    """The problem's dtype (the first input's) once every given input's dtype is what the family
-    takes: its own declared ones for the inputs in `input_dtypes`, else the problem's. given:
-    (input name, the framework's dtype as written, its autosoft name or None) per input array."""
-    declared = family.input_dtypes
-    shared = [(n, shown) for n, shown, _ in given if n not in declared]
-    if len({shown for _, shown in shared}) > 1:
-        raise TypeError(f"{who}: {', '.join(n for n, _ in shared)} must share one dtype, got "
-                        f"{', '.join(shown for _, shown in shared)}")
-    first, shown, dtype = given[0]
-    if dtype not in family.dtypes:
-        raise TypeError(f"{who}: unsupported dtype {shown}; use {' or '.join(family.dtypes)}")
-    for name, shown, own in given[1:]:
-        takes = declared.get(name)
-        if takes is not None and own not in takes:
-            raise TypeError(f"{who}: {name} must be {' or '.join(takes)}, got {shown}")
-    return dtype
 
 
 class _Framework:

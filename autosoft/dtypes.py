@@ -6,7 +6,7 @@ between fp32 values, those stored bits and float64 for checking lives here.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -44,6 +44,23 @@ def check_dtype(dtype: str, allowed: Sequence[str] = DTYPES, family: str = "") -
         choices = ", ".join(allowed[:-1]) + " or " + allowed[-1] if len(allowed) > 1 else allowed[0]
         raise UserError(f"{family or 'this family'} runs on {choices}, not {dtype}")
     return dtype
+
+
+def check_input_dtypes(who: str, given: Sequence[tuple[str, str, str | None]], takes: Sequence[str],
+                       own: Mapping[str, Sequence[str]]) -> str:
+    """The call's dtype, the first input's, once it is one of `takes` and every other input's is
+    its own declared one (`own`, by input name: a family's input_dtypes) or else the first's; a
+    TypeError naming the first input that is not. given: (input name, the dtype as its framework
+    writes it, its name here or None) per input, in the family's order."""
+    (first, shown, dtype), *rest = given
+    if dtype not in takes:
+        raise TypeError(f"{who}: {first} must be {' or '.join(takes)}, got {shown}")
+    for name, shown, theirs in rest:
+        allowed = own.get(name, (dtype,))
+        if theirs not in allowed:
+            whose = "" if name in own else f" ({first}'s dtype)"
+            raise TypeError(f"{who}: {name} must be {' or '.join(allowed)}{whose}, got {shown}")
+    return dtype  # type: ignore[return-value]  # one of takes
 
 
 def storage_dtype(dtype: str) -> str:

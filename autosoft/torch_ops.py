@@ -55,10 +55,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import native
-from .arrays import call_family, check_dtypes, not_on_gpu
+from .arrays import call_family, not_on_gpu
 from .autograd import no_backward_error
 from .dispatch import DISPATCHER
-from .dtypes import OUTPUT_DTYPES, TORCH_INPUT_NAMES
+from .dtypes import OUTPUT_DTYPES, TORCH_INPUT_NAMES, check_input_dtypes
 from .families import families, get_family
 from .families.base import OptionValue
 from .operators import OperatorCall, TorchOperator, declared_operators
@@ -396,7 +396,8 @@ def _fake_outputs(name: str, who: str, arrays: Sequence[torch.Tensor],
             raise not_on_gpu(who, n, a)
     if len({a.device for _, a in given}) != 1:
         raise ValueError(f"{who}: {', '.join(names)} must be on one device")
-    dtype = check_dtypes(who, family, [(n, str(a.dtype), TORCH_INPUT_NAMES.get(str(a.dtype))) for n, a in given])
+    dtype = check_input_dtypes(who, [(n, str(a.dtype), TORCH_INPUT_NAMES.get(str(a.dtype))) for n, a in given],
+                               family.dtypes, family.input_dtypes)
     checked: dict[str, OptionValue] = dict(options)
     outputs = family.caller_outputs({n: tuple(a.shape) for n, a in given}, dtype, checked)
     hinted = {n: tuple(_hint(s) for s in a.shape) for n, a in given}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..autograd import tracing
+from ..dtypes import check_input_dtypes
 
 
 _VALID: set[tuple[Any, ...]] = set()  # (family, then each array's shape and dtype) of calls that passed
@@ -15,7 +16,7 @@ _VALID_KEPT = 4096  # then forgotten all at once: shapes that change every call 
 
 def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[Any, ...]) -> bool:
     """Whether the arrays (None: an optional one not given) were checked: their dtypes
-    (check_dtype_names) and shapes (the family's check_call_shapes), raising their errors. False
+    (dtypes.check_input_dtypes) and shapes (the family's check_call_shapes), raising their errors. False
     while torch.compile traces (the operator checks then) and where one is no array (the array
     layer says what it is not). A signature that passed once is not checked again: a decode loop
     pays one lookup a step."""
@@ -31,7 +32,7 @@ def check_arrays(who: str, family: Any, names: tuple[str, ...], arrays: tuple[An
     if facts is None:
         return False
     shapes, dtypes = facts
-    check_dtype_names(who, dtypes, family.dtypes, family.input_dtypes)
+    check_input_dtypes(who, [(n, d, d) for n, d in dtypes.items()], family.dtypes, family.input_dtypes)
     family.check_call_shapes(who, shapes)
     if key is not None:
         if len(_VALID) >= _VALID_KEPT:
@@ -53,20 +54,6 @@ def array_facts(named: Mapping[str, Any]) -> tuple[dict[str, tuple[int, ...]], d
             return None
         shapes[name], dtypes[name] = tuple(shape), str(dtype).removeprefix("torch.")
     return shapes, dtypes
-
-
-def check_dtype_names(who: str, dtypes: Mapping[str, str], takes: tuple[str, ...],
-                      own: Mapping[str, tuple[str, ...]]) -> None:
-    """TypeError naming the first array of a wrong dtype: the first one of `takes`, those named in
-    `own` one of theirs, every other the first's."""
-    first, *rest = dtypes
-    if dtypes[first] not in takes:
-        raise TypeError(f"{who}: {first} must be {' or '.join(takes)}, got {dtypes[first]}")
-    for name in rest:
-        allowed = own.get(name, (dtypes[first],))
-        if dtypes[name] not in allowed:
-            whose = "" if name in own else f" ({first}'s dtype)"
-            raise TypeError(f"{who}: {name} must be {' or '.join(allowed)}{whose}, got {dtypes[name]}")
 
 
 def taken_as_it_is(a: Any, align: int) -> bool:
