@@ -173,8 +173,6 @@ def enable(kernels: Mapping[str, tuple[Callable[..., Any], str, tuple]] | None =
             return False
         if not _module.enabled():
             _module.enable(launch, _miss)
-        if not _module.direct_on():
-            _module.init(launch, _direct_miss)
         asking_again = list(_asking_again)
     for ask_again in asking_again:  # a caller of direct() may have been told None before the build
         ask_again()
@@ -197,14 +195,13 @@ def direct(ask_again: Callable[[], None] | None = None
         launch = _loaded()
         if launch is None:
             return None
-        if not _module.direct_on():
-            _module.init(launch, _direct_miss)
         return _module.softmax_direct, _module.log_softmax_direct
 
 
 def _loaded() -> int | None:
-    """The address of cuLaunchKernel once the extension is loaded (and dispatcher clears drop its
-    records); None where there is no driver or no build. Called with _lock held."""
+    """The address of cuLaunchKernel once the extension is loaded (dispatcher clears drop its
+    records) with its public entries on; None where there is no driver or no build. Called with
+    _lock held."""
     global _module, _watching
     launch = _cu_launch_kernel()
     if launch is None:
@@ -227,6 +224,8 @@ def _loaded() -> int | None:
     if not _watching:
         DISPATCHER.on_clear(_forget)
         _watching = True
+    if not _module.direct_on():  # the public functions' compiled first steps (disable() turns them off)
+        _module.init(launch, _direct_miss)
     return launch
 
 
@@ -287,7 +286,7 @@ def _miss(op: int, keyset: Any, x: Any, dim: int) -> Any:
     # the plan under call_family's key was made for this dtype, shape and device whatever the call
     # (a subclass such as a fake tensor while tracing aside): the compiled kernel takes it from now on
     if dim == -1 and type(x) is sys.modules["torch"].Tensor and x.is_cuda:
-        key = (family, options, (), x.dtype, x.shape, x.get_device())
+        key = _plan_key(family, options, x)
         if key not in _kept:
             _record(op, x, DISPATCHER.fast.get(key), key)
     return y
@@ -299,11 +298,17 @@ def _direct_miss(op: int, x: Any) -> Any:
     then the plan recorded, or marked as one the compiled step leaves to Python."""
     options, opts, who = _PUBLIC[op]
     y = call_family("softmax", (x,), options=options, who=None if op == 0 else who)[0]
-    key = ("softmax", opts, (), x.dtype, x.shape, x.get_device())  # call_family's key for this call
+    key = _plan_key("softmax", opts, x)
     plan = DISPATCHER.fast.get(key)
     if plan is not None and key not in _kept and not _record(op, x, plan, key):
         _module.record_unreplayable(op, x)
     return y
+
+
+def _plan_key(family: str, options: tuple, x: Any) -> tuple:
+    """The key under which arrays.call_family keeps its plan for a call of `family` on the one
+    tensor x with these options (as items) and no scalars."""
+    return (family, options, (), x.dtype, x.shape, x.get_device())
 
 
 def _record(op: int, x: Any, plan: Any, key: tuple) -> bool:
