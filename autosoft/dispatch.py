@@ -2,7 +2,8 @@
 
 Choice, in order, among entries of the same family, dtype, GPU and digests: tuned with this
 NVRTC version for this exact shape; the family's selector (selector.py), fitted on this GPU with
-this NVRTC major and these digests, its first configuration valid for this shape; with this
+this NVRTC major and these digests (its leaf's first configuration where that is valid for this
+shape, else the next valid one only when no tuned shape lends its params); with this
 NVRTC for the nearest shape whose params are valid for this shape; tuned with another NVRTC of
 the same major version (13.0 here on 13.5), exact shape, then nearest; else the family's
 heuristic default. Another major version is never used. Only the first is trusted as it is: any
@@ -175,14 +176,11 @@ class Dispatcher:
         selector = find_selector(self.selectors(), key)
         if selector is None:
             return None
-        ranking = selector.ranking(family.selector_features(problem))
-        for index in ranking:
-            try:
-                variant = build_variant(family, problem, selector.configs[index], target)
-            except UserError:
-                continue  # invalid for this shape: the next of the leaf's ranking
-            return Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, fallback)
-        return None
+        pick = selector_pick(selector, family, problem, target, first_only=fallback.entry is not None)
+        if pick is None:
+            return None
+        index, variant = pick
+        return Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, fallback)
 
     def loaded(self, problem: Problem, device_index: int,
                load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
@@ -237,6 +235,22 @@ def find_selector(selectors: list[Selector], key: CacheKey) -> Selector | None:
                == (key.family, key.gpu_name, key.compute_capability, key.template_digest, key.space_digest)
                and _same_major(s.cuda_version, key.cuda_version)]
     return fitting[0] if fitting else None
+
+
+def selector_pick(selector: Selector, family: Family, problem: Problem, target: Target, *,
+                  first_only: bool) -> tuple[int, Variant] | None:
+    """The configuration the selector's leaf for this shape ranks first, as (index, variant), when
+    it is valid here. Where it is not (a row length the tuned shapes never had), the leaf's later
+    configurations are those its shapes ran slower, often of another regime (one block per row
+    where the first split rows): with first_only, None, so that the params of the nearest tuned
+    shape serve instead; without it, the next valid configuration of the ranking."""
+    ranking = selector.ranking(family.selector_features(problem))
+    for index in ranking[:1] if first_only else ranking:
+        try:
+            return index, build_variant(family, problem, selector.configs[index], target)
+        except UserError:
+            continue  # invalid for this shape
+    return None
 
 
 def _compile_or_fail(variant: Variant, store: KernelStore) -> bytes:

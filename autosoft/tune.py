@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._version import __version__
 from .cache import Cache, Entry
-from .dispatch import cache_key, find_selector, key_distance, nvrtc_match
+from .dispatch import cache_key, find_selector, key_distance, nvrtc_match, selector_pick
 from .errors import UserError
 from .evaluate import Outcome, Status
 from .families import get_family
@@ -269,7 +269,7 @@ def seed_order(default: Mapping[str, ParamValue], warm: Sequence[Mapping[str, Pa
 
 def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cache: Cache) -> list[dict[str, ParamValue]]:
     """What the cache knows for a problem, as points to try first: the pick of the family's
-    selector for this GPU and NVRTC major (the first configuration of its ranking valid here),
+    selector for this GPU and NVRTC major (its leaf's first configuration, when valid here),
     then the winners of the WARM_NEAREST tuned shapes nearest this one (same dtype, GPU, NVRTC
     major and digests; the family's problem_distance) that are valid here. Each once."""
     target = device.target
@@ -285,12 +285,11 @@ def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cach
         return checked if family.is_valid(problem, target, checked) else None
 
     selector = find_selector(cache.selectors(), key)
-    if selector is not None:
-        for index in selector.ranking(family.selector_features(problem)):
-            pick = valid(selector.configs[index])
-            if pick is not None:
-                out.append(pick)
-                break
+    pick = selector_pick(selector, family, problem, target, first_only=True) if selector is not None else None
+    if pick is not None:
+        point = valid(selector.configs[pick[0]])
+        if point is not None:
+            out.append(point)
     entries = [e for e in cache.entries() if nvrtc_match(e.key, key) is not None]
     ranked = sorted(((key_distance(family, e.key, key), e.time_us, i) for i, e in enumerate(entries)))
     for distance, _, i in [r for r in ranked if r[0] < float("inf")][:WARM_NEAREST]:

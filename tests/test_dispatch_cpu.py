@@ -394,12 +394,23 @@ def test_an_exact_entry_comes_before_the_selector(device, cache_dir):
     assert choice.source == "tuned" and choice.fallback is None
 
 
-def test_the_next_configuration_of_the_leaf_serves_where_the_first_is_invalid(device, cache_dir):
+def test_the_next_configuration_of_the_leaf_serves_where_the_first_is_invalid_and_nothing_was_tuned(
+        device, cache_dir):
     cache = Cache(cache_dir / "kernels.sqlite")
     cache.put_selector(make_selector([LONG, SHORT], key=_key("4096x8192")))  # one leaf: LONG first
     choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))  # LONG is invalid on 700
     assert choice.source == "selector (config 1 of 2)" and dict(choice.variant.params) == SHORT
     assert choice.fallback.source == "default"
+
+
+def test_the_nearest_entry_serves_where_the_leafs_first_configuration_is_invalid(device, cache_dir):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    near = _params("64x512", streaming=True)
+    cache.put(make_entry(_key("64x512"), params=near))
+    cache.put_selector(make_selector([LONG, SHORT], key=_key("4096x8192")))  # one leaf: LONG first
+    choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))  # LONG is invalid on 700
+    assert choice.source == "nearest 64x512" and dict(choice.variant.params) == near
+    assert choice.fallback is None
 
 
 @pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("cuda_version", "12.8"),

@@ -124,14 +124,14 @@ NEXT = {**DEFAULT, "vec": 2}
 SHORT_ONLY = SOFTMAX.default_params(SOFTMAX.problem("64x512"), H200.target)  # invalid on rows of 20000
 
 
-def _warm_cache(path):
+def _warm_cache(path, selector_configs=(PICK, SHORT_ONLY)):
     cache = Cache(path)
     cache.put(make_entry(softmax_key("4096x16384"), time_us=5.0, params=NEAR))
     cache.put(make_entry(softmax_key("2048x32768"), time_us=5.0, params=NEXT))
     cache.put(make_entry(softmax_key("4096x512"), time_us=1.0, params=SHORT_ONLY))  # near enough, invalid here
     cache.put(make_entry(softmax_key("1x1"), time_us=1.0, params=PICK))  # farther than the three above
     cache.put(make_entry(softmax_key("4096x20000", gpu_name="NVIDIA A100"), params={**DEFAULT, "unroll": 4}))
-    cache.put_selector(make_selector([SHORT_ONLY, PICK]))  # one leaf: SHORT_ONLY first, invalid here
+    cache.put_selector(make_selector(list(selector_configs)))  # one leaf, ranked in this order
     return cache
 
 
@@ -141,6 +141,12 @@ def test_warm_start_points_are_the_selector_pick_then_the_nearest_valid_winners(
         assert SOFTMAX.is_valid(PROBLEM, H200.target, p)
     assert warm_start_points(SOFTMAX, PROBLEM, H200, cache) == [PICK, NEAR, NEXT]
     assert warm_start_points(SOFTMAX, PROBLEM, H200, Cache(tmp_path / "empty.sqlite")) == []
+
+
+def test_a_selector_whose_first_configuration_is_invalid_here_adds_no_point(tmp_path):
+    cache = _warm_cache(tmp_path / "k.sqlite", selector_configs=(SHORT_ONLY, PICK))
+    assert not SOFTMAX.is_valid(PROBLEM, H200.target, SHORT_ONLY)
+    assert warm_start_points(SOFTMAX, PROBLEM, H200, cache) == [NEAR, NEXT]
 
 
 def test_seed_order_puts_the_warm_start_between_the_default_and_the_seeds_each_once():
