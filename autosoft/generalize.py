@@ -19,10 +19,10 @@ from ._version import __version__
 from .cache import Cache, Entry
 from .dispatch import _same_major, cache_key
 from .errors import UserError
-from .evaluate import Status
 from .families.base import Family, Problem, Variant, build_variant, family_template_digest, space_of
 from .runners import Runner
 from .selector import MAX_CONFIGS, WITHIN, Sample, Selector, choose_configs, fit_tree, params_key, predict
+from .tune import evaluation_launches, logged_times
 from .worker import Watchdog
 
 MIN_SHAPES = 3  # fewer tuned shapes than this teach a tree nothing a nearest entry would not
@@ -84,19 +84,8 @@ def recorded_times(cache: Cache, family: Family, problems: Sequence[tuple[Proble
     """Per tuned problem (by label): the fastest recorded correct time of each configuration that
     is a point of the current space, and the entry's winner at its re-timed time."""
     space = space_of(family)
-    wanted = {(p.dtype, p.shape_text): label(p) for p, _ in problems}
-    times: dict[str, dict[str, float]] = {label(p): {} for p, _ in problems}
-    for row in cache.trials():
-        where = wanted.get((row["dtype"], row["shape"]))
-        if where is None or row["family"] != family.name or row["gpu_name"] != gpu_name \
-                or row["status"] != Status.OK.value or not isinstance(row["time_us"], (int, float)) \
-                or not row["time_us"] > 0:
-            continue
-        try:
-            key = params_key(space.check_values(json.loads(row["params"])))
-        except (UserError, ValueError, TypeError):
-            continue  # a point the space no longer declares
-        times[where][key] = min(float(row["time_us"]), times[where].get(key, math.inf))
+    logged = logged_times(cache, family, gpu_name, [(p.dtype, p.shape_text) for p, _ in problems])
+    times = {label(p): dict(logged[(p.dtype, p.shape_text)]) for p, _ in problems}
     for p, e in problems:
         try:
             key = params_key(space.check_values(dict(e.params)))
@@ -115,8 +104,6 @@ def measure(family: Family, configs: Sequence[Mapping[str, object]], problems: S
     """Each configuration's time on each problem (None where it is invalid, fails to compile or
     verify): every valid one verified and timed by the runner, then the correct ones re-timed side
     by side, as a tune's finalists are, so that their times compare within one round."""
-    from .tune import evaluation_launches
-
     target = runner.device.target
     out: list[tuple[float | None, ...]] = []
     for n, (problem, entry) in enumerate(problems):

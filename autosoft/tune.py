@@ -21,6 +21,9 @@ flight and `--resume` continues it.
 """
 from __future__ import annotations
 
+import json
+import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +40,7 @@ from .families.base import valid_points as family_valid_points
 from .runners import GpuRunner, Pending, Runner
 from .runtime import DeviceInfo, LoadedVariant
 from .search import Search
+from .selector import params_key
 from .space import ParamValue
 from .storage import default_storage_url, interrupts_held
 from .worker import Watchdog
@@ -44,6 +48,9 @@ from .worker import Watchdog
 _WARMUP, _REPS = 3, 40  # launches per evaluation besides verification (see evaluate.time_variant)
 FINALISTS = 4  # fastest distinct variants of a search that are timed again side by side
 WARM_NEAREST = 3  # tuned shapes nearest a new one whose winners a warm-started tune tries first
+# how a warm-started tune ranks a family seed that none of those shapes ran: as if this much slower
+# than the best there (a seed that ran within it there goes first, one that ran slower after it)
+WARM_UNKNOWN_RATIO = 1.10
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,7 @@ def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cach
     first; with it, the study's finished points are never proposed again. `worker`,
     `is_live` and `reaps` share the study with other workers (see search.Search). The seeds, tried first in
     this order: the default, with `warm_start` the cache's knowledge (warm_start_points), then the
-    family's own seeds, each point once.
+    family's own seeds (with `warm_start` in warm_seed_order's order), each point once.
     Raises ValueError when there is no valid point (for a replay: none recorded is still valid)."""
     target = device.target
     valid = valid_points(family, problem, target, runner.candidates(family, problem))
@@ -250,9 +257,11 @@ def open_study(family: Family, problem: Problem, device: DeviceInfo, cache: Cach
     name = study_name(family, problem, device)
     if not resume:
         _delete_study(storage, name)
+    seeds = family.seed_params(problem, target)
     warm = warm_start_points(family, problem, device, cache) if warm_start else []
-    return Search(space_of(family), valid, seeds=seed_order(family.default_params(problem, target), warm,
-                                                             family.seed_params(problem, target)),
+    if warm_start:
+        seeds = warm_seed_order(family, problem, device, cache, seeds)
+    return Search(space_of(family), valid, seeds=seed_order(family.default_params(problem, target), warm, seeds),
                   seed=seed, storage=storage, study_name=name, worker=worker, is_live=is_live,
                   reaps=reaps)
 
@@ -290,13 +299,64 @@ def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cach
         point = valid(selector.configs[pick[0]])
         if point is not None:
             out.append(point)
-    entries = [e for e in cache.entries() if nvrtc_match(e.key, key) is not None]
-    ranked = sorted(((key_distance(family, e.key, key), e.time_us, i) for i, e in enumerate(entries)))
-    for distance, _, i in [r for r in ranked if r[0] < float("inf")][:WARM_NEAREST]:
-        point = valid(entries[i].params)
+    for entry in nearest_entries(family, problem, device, cache):
+        point = valid(entry.params)
         if point is not None and point not in out:
             out.append(point)
     return out
+
+
+def nearest_entries(family: Family, problem: Problem, device: DeviceInfo, cache: Cache) -> list[Entry]:
+    """The entries of the WARM_NEAREST tuned shapes nearest this problem (same dtype, GPU, NVRTC
+    major and digests; the family's problem_distance), nearest first."""
+    key = cache_key(problem, device, family)
+    entries = [e for e in cache.entries() if nvrtc_match(e.key, key) is not None]
+    ranked = sorted(((key_distance(family, e.key, key), e.time_us, i) for i, e in enumerate(entries)))
+    return [entries[i] for distance, _, i in ranked if distance < math.inf][:WARM_NEAREST]
+
+
+def logged_times(cache: Cache, family: Family, gpu_name: str,
+                   shapes: Sequence[tuple[str, str]]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (dtype, shape) asked for: the fastest correct time the cache's trial log recorded on this
+    GPU for each point of the family's current space (by params_key); points the space no longer
+    declares are left out."""
+    space = space_of(family)
+    times: dict[tuple[str, str], dict[str, float]] = {tuple(s): {} for s in shapes}  # type: ignore[misc]
+    for row in cache.trials():
+        where = times.get((row["dtype"], row["shape"]))
+        if where is None or row["family"] != family.name or row["gpu_name"] != gpu_name \
+                or row["status"] != Status.OK.value or not isinstance(row["time_us"], (int, float)) \
+                or not row["time_us"] > 0:
+            continue
+        try:
+            point = params_key(space.check_values(json.loads(row["params"])))
+        except (UserError, ValueError, TypeError):
+            continue
+        where[point] = min(float(row["time_us"]), where.get(point, math.inf))
+    return times
+
+
+def warm_seed_order(family: Family, problem: Problem, device: DeviceInfo, cache: Cache,
+                    seeds: Sequence[Mapping[str, ParamValue]]) -> list[dict[str, ParamValue]]:
+    """The family's seeds, those that ran fastest on the nearest tuned shapes first, as
+    meta-learned initial designs order theirs (Feurer et al., 2015): each seed ranks by its mean
+    log time ratio to the best recorded there, over the nearest shapes whose trial log has it; a
+    seed none of them ran ranks as WARM_UNKNOWN_RATIO. Ties keep the family's order."""
+    nearest = nearest_entries(family, problem, device, cache)
+    if not nearest:
+        return [dict(s) for s in seeds]
+    times = logged_times(cache, family, device.name, [(e.key.dtype, e.key.shape) for e in nearest])
+    space = space_of(family)
+
+    def rank(seed: Mapping[str, ParamValue]) -> float:
+        try:
+            point = params_key(space.check_values(seed))
+        except UserError:
+            return math.log(WARM_UNKNOWN_RATIO)
+        ratios = [math.log(row[point] / min(row.values())) for row in times.values() if point in row]
+        return statistics.fmean(ratios) if ratios else math.log(WARM_UNKNOWN_RATIO)
+
+    return [dict(s) for s in sorted(seeds, key=rank)]
 
 
 def resumed_trials(search: Search, family: Family, problem: Problem, target: Target) -> list[Measured]:

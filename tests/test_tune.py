@@ -110,7 +110,7 @@ def test_tune_and_a_batch_worker_run_one_pipeline(tmp_path, monkeypatch):
 # --- warm starts: what the cache knows is tried first ---------------------------------------------
 
 from autosoft.runners import Runner  # noqa: E402
-from autosoft.tune import open_study, seed_order, warm_start_points  # noqa: E402
+from autosoft.tune import open_study, seed_order, warm_seed_order, warm_start_points  # noqa: E402
 
 from helpers import make_entry, make_selector, softmax_key  # noqa: E402
 
@@ -190,3 +190,46 @@ def test_a_warm_started_study_proposes_the_cache_knowledge_right_after_the_defau
     else:
         assert asked[:2] == [DEFAULT, *[s for s in seeds if s != DEFAULT][:1]]
         assert PICK not in asked[:1 + len(seeds)]
+
+
+def _log(cache, shape, times, gpu_name="NVIDIA H200", status="ok"):
+    cache.record_trials([{"family": "softmax", "dtype": "float32", "shape": shape, "gpu_name": gpu_name,
+                          "variant_name": "v", "params": p, "status": status, "time_us": t, "message": ""}
+                         for p, t in times])
+
+
+def test_a_warm_start_orders_the_seeds_by_how_they_ran_on_the_nearest_tuned_shapes(tmp_path):
+    seeds = SOFTMAX.seed_params(PROBLEM, H200.target)
+    first, second, third, fourth = seeds[:4]
+    cache = _warm_cache(tmp_path / "k.sqlite")
+    _log(cache, "4096x16384", [(fourth, 1.0), (third, 1.5), (second, 1.05)])
+    _log(cache, "2048x32768", [(fourth, 1.02), (third, 1.0)])
+    _log(cache, "4096x16384", [(first, 0.5)], gpu_name="NVIDIA A100")  # another GPU's log tells nothing
+    _log(cache, "4096x16384", [(first, 0.1)], status="wrong")         # nor does a wrong result
+    _log(cache, "1x1", [(first, 0.1)])                                 # nor a shape farther than the nearest three
+    order = warm_seed_order(SOFTMAX, PROBLEM, H200, cache, seeds)
+    # fourth: ratios 1.0 and 1.02; second 1.05; then the ones never run (as 1.10) in the family's order,
+    # third (1.5 and 1.0: a mean log ratio of about 1.22) after them
+    assert order[:3] == [fourth, second, first]
+    assert order.index(third) == len(seeds) - 1
+    assert sorted(map(str, order)) == sorted(map(str, seeds)), "the same seeds, reordered"
+
+
+def test_without_nearby_tuned_shapes_the_seeds_keep_the_family_order(tmp_path):
+    seeds = SOFTMAX.seed_params(PROBLEM, H200.target)
+    assert warm_seed_order(SOFTMAX, PROBLEM, H200, Cache(tmp_path / "empty.sqlite"), seeds) == seeds
+    cache = _warm_cache(tmp_path / "k.sqlite")  # nearby entries, but no trial logged
+    assert warm_seed_order(SOFTMAX, PROBLEM, H200, cache, seeds) == seeds
+
+
+def test_a_cold_study_keeps_the_family_seed_order(tmp_path):
+    seeds = SOFTMAX.seed_params(PROBLEM, H200.target)
+    cache = _warm_cache(tmp_path / "k.sqlite")
+    _log(cache, "4096x16384", [(seeds[3], 1.0), (seeds[0], 2.0)])
+    runner = _Points([DEFAULT, *seeds, NEXT, NEAR, PICK])
+    cold = open_study(SOFTMAX, PROBLEM, H200, cache, runner, seed=0, resume=False, warm_start=False)
+    asked = [cold.ask().params for _ in range(3)]
+    assert asked == seed_order(DEFAULT, [], seeds)[:3]
+    warm = open_study(SOFTMAX, PROBLEM, H200, cache, runner, seed=0, resume=False, warm_start=True)
+    asked = [warm.ask().params for _ in range(5)]
+    assert asked[:4] == [DEFAULT, PICK, NEAR, NEXT] and asked[4] == seeds[3]
