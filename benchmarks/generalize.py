@@ -114,7 +114,7 @@ def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner
         timed = timed_side_by_side(family, runner, variants, timeout_s)
         timed["selector_source"] = choice.source
         timed["nearest_source"] = nearest.source
-        record["dispatch"] = timed
+        record["dispatch"] = {**timed, "commit": commit()}
     if args.warm_start and "warm" not in record:
         warm_cache = scratch / f"warm-{os.getpid()}.sqlite"
         shutil.copyfile(args.cache, warm_cache)
@@ -129,7 +129,7 @@ def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner
         best = min(t for t in (*cold_times, *warm_times) if t is not None)
         cold, cold_censored = trials_to(cold_times, 1.01 * best)
         warm, warm_censored = trials_to(warm_times, 1.01 * best)
-        record["warm"] = {"trial_times": warm_times, "best_us": best, "cold_trials_to_1pct": cold,
+        record["warm"] = {"commit": commit(), "trial_times": warm_times, "best_us": best, "cold_trials_to_1pct": cold,
                           "cold_censored": cold_censored, "warm_trials_to_1pct": warm, "warm_censored": warm_censored}
 
 
@@ -175,7 +175,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warm-start", action="store_true", help="also tune each shape warm-started (part c)")
     parser.add_argument("--redo", action="append", choices=("dispatch", "warm"), default=[],
-                        help="run this part again where --out has it (after a refit or a dispatch change)")
+                        help="run this part again where --out has it from another commit (after a refit or a "
+                             "dispatch or warm-start change); a run cut short continues with the same flags")
     parser.add_argument("--out", type=Path, required=True, help="results JSON, read first and continued")
     args = parser.parse_args()
     family = get_family(args.family)
@@ -198,7 +199,8 @@ def main() -> int:
         for problem in problems:
             record = records.setdefault(label(problem), {})
             for part in args.redo:
-                record.pop(part, None)
+                if record.get(part, {}).get("commit") != results["commit"]:
+                    record.pop(part, None)  # measured at another commit (or before parts kept theirs)
             started = time.perf_counter()
             run_shape(family, problem, args, runner, record, reference, Path(scratch))
             write(args.out, results)
