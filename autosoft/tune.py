@@ -278,9 +278,10 @@ def seed_order(default: Mapping[str, ParamValue], warm: Sequence[Mapping[str, Pa
 
 def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cache: Cache) -> list[dict[str, ParamValue]]:
     """What the cache knows for a problem, as points to try first: the pick of the family's
-    selector for this GPU and NVRTC major (its leaf's first configuration, when valid here),
-    then the winners of the WARM_NEAREST tuned shapes nearest this one (same dtype, GPU, NVRTC
-    major and digests; the family's problem_distance) that are valid here. Each once."""
+    selector for this GPU and NVRTC major (as dispatch takes it: its leaf's first configuration
+    when valid here, the next valid one only when no nearby winner is), then the winners of the
+    WARM_NEAREST tuned shapes nearest this one (same dtype, GPU, NVRTC major and digests; the
+    family's problem_distance) that are valid here. Each once."""
     target = device.target
     key = cache_key(problem, device, family)
     space = space_of(family)
@@ -293,15 +294,17 @@ def warm_start_points(family: Family, problem: Problem, device: DeviceInfo, cach
             return None  # a value the space no longer declares
         return checked if family.is_valid(problem, target, checked) else None
 
+    nearest = [point for point in (valid(e.params) for e in nearest_entries(family, problem, device, cache))
+               if point is not None]
     selector = find_selector(cache.selectors(), key)
-    pick = selector_pick(selector, family, problem, target, first_only=True) if selector is not None else None
+    pick = selector_pick(selector, family, problem, target, first_only=bool(nearest)) \
+        if selector is not None else None
     if pick is not None:
         point = valid(selector.configs[pick[0]])
         if point is not None:
             out.append(point)
-    for entry in nearest_entries(family, problem, device, cache):
-        point = valid(entry.params)
-        if point is not None and point not in out:
+    for point in nearest:
+        if point not in out:
             out.append(point)
     return out
 

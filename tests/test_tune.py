@@ -149,6 +149,12 @@ def test_a_selector_whose_first_configuration_is_invalid_here_adds_no_point(tmp_
     assert warm_start_points(SOFTMAX, PROBLEM, H200, cache) == [NEAR, NEXT]
 
 
+def test_without_nearby_winners_the_leafs_next_valid_configuration_is_the_point(tmp_path):
+    cache = Cache(tmp_path / "k.sqlite")
+    cache.put_selector(make_selector([SHORT_ONLY, PICK]))  # one leaf: SHORT_ONLY first, invalid here
+    assert warm_start_points(SOFTMAX, PROBLEM, H200, cache) == [PICK]
+
+
 def test_seed_order_puts_the_warm_start_between_the_default_and_the_seeds_each_once():
     a, b, c = {"x": 1}, {"x": 2}, {"x": 3}
     assert seed_order(a, [b, a, b], [c, b]) == [a, b, c]
