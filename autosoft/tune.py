@@ -319,12 +319,12 @@ def nearest_entries(family: Family, problem: Problem, device: DeviceInfo, cache:
 
 
 def logged_times(cache: Cache, family: Family, gpu_name: str,
-                   shapes: Sequence[tuple[str, str]]) -> dict[tuple[str, str], dict[str, float]]:
+                 shapes: Sequence[tuple[str, str]]) -> dict[tuple[str, str], dict[str, float]]:
     """Per (dtype, shape) asked for: the fastest correct time the cache's trial log recorded on this
     GPU for each point of the family's current space (by params_key); points the space no longer
     declares are left out."""
     space = space_of(family)
-    times: dict[tuple[str, str], dict[str, float]] = {tuple(s): {} for s in shapes}  # type: ignore[misc]
+    times: dict[tuple[str, str], dict[str, float]] = {(dtype, shape): {} for dtype, shape in shapes}
     for row in cache.trials():
         where = times.get((row["dtype"], row["shape"]))
         if where is None or row["family"] != family.name or row["gpu_name"] != gpu_name \
@@ -348,7 +348,8 @@ def warm_seed_order(family: Family, problem: Problem, device: DeviceInfo, cache:
     nearest = nearest_entries(family, problem, device, cache)
     if not nearest:
         return [dict(s) for s in seeds]
-    times = logged_times(cache, family, device.name, [(e.key.dtype, e.key.shape) for e in nearest])
+    logged = logged_times(cache, family, device.name, [(e.key.dtype, e.key.shape) for e in nearest])
+    ratios = [{point: math.log(t / min(row.values())) for point, t in row.items()} for row in logged.values() if row]
     space = space_of(family)
 
     def rank(seed: Mapping[str, ParamValue]) -> float:
@@ -356,8 +357,8 @@ def warm_seed_order(family: Family, problem: Problem, device: DeviceInfo, cache:
             point = params_key(space.check_values(seed))
         except UserError:
             return math.log(WARM_UNKNOWN_RATIO)
-        ratios = [math.log(row[point] / min(row.values())) for row in times.values() if point in row]
-        return statistics.fmean(ratios) if ratios else math.log(WARM_UNKNOWN_RATIO)
+        known = [shape[point] for shape in ratios if point in shape]
+        return statistics.fmean(known) if known else math.log(WARM_UNKNOWN_RATIO)
 
     return [dict(s) for s in sorted(seeds, key=rank)]
 
