@@ -11,6 +11,13 @@ other choice is rebuilt from its params, compiled with the local NVRTC and verif
 shape before its first use. A selector's pick that fails to compile or verify gives way to the
 choice that would have come without the selector (nearest, then default), verified in its turn.
 
+A selector's pick is a guess from other shapes, and so is the nearest entry: where the family has
+a selector and the shape moves at most RACE_MAX_BYTES, the two race before their first use (both
+verified, then timed side by side on random data of this exact shape) and the faster serves. The
+race's winner is recorded in the kernel store, so it runs once per shape and kind of GPU, and a
+later process serves the same kernel. The race's rival of the nearest entry is the leaf's first
+valid configuration; a larger shape is served as described above, without a race.
+
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
 digest: every row count M of one softmax row length shares one compile and one verification.
@@ -30,7 +37,7 @@ from typing import Callable
 from .cache import Cache, CacheKey, Entry, default_cache_path
 from .compile import nvrtc_version
 from .errors import CacheWarning, UserError
-from .evaluate import verify
+from .evaluate import time_side_by_side, verify
 from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
 from .kernel_store import KernelStore, default_store
@@ -41,6 +48,9 @@ from .selector import Selector
 TUNED = "tuned"
 SELECTOR = "selector"
 _VERSION = re.compile(r"^(\d+)\.(\d+)$")
+# the most bytes a call may move for its shape to be raced: a race allocates its inputs and outputs
+# (several sets for a small shape, to rotate them past the L2) beside the caller's
+RACE_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Choice:
     source: str
     entry: Entry | None = None  # the cache entry whose params were taken; None for a selector or the default
     fallback: "Choice | None" = None  # a selector's pick: what serves when the pick fails its check
+    rival: "Choice | None" = None  # raced against this choice on its shape before first use (module doc)
 
     @property
     def trusted(self) -> bool:
@@ -170,17 +181,21 @@ class Dispatcher:
         return Choice(build_variant(family, problem, family.default_params(problem, target), target), "default")
 
     def _selector_choice(self, family: Family, problem: Problem, key: CacheKey, target: Target,
-                         fallback: Choice) -> Choice | None:
-        """The pick of the family's selector fitted on this GPU, NVRTC major and digests: the first
-        configuration of its ranking for this shape that is valid here; None without one."""
+                         borrowed: Choice) -> Choice | None:
+        """With the family's selector fitted on this GPU, NVRTC major and digests, the choice and
+        its rival: its pick against the borrowed choice (module doc); None without a selector or
+        without a configuration of it valid here."""
         selector = find_selector(self.selectors(), key)
         if selector is None:
             return None
-        pick = selector_pick(selector, family, problem, target, first_only=fallback.entry is not None)
+        pick = selector_pick(selector, family, problem, target, first_only=False)
         if pick is None:
             return None
         index, variant = pick
-        return Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, fallback)
+        chosen = Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, borrowed, borrowed)
+        if borrowed.entry is not None and selector_pick(selector, family, problem, target, first_only=True) is None:
+            return replace(borrowed, rival=replace(chosen, rival=None))  # see selector_pick
+        return chosen
 
     def loaded(self, problem: Problem, device_index: int,
                load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
@@ -205,14 +220,56 @@ class Dispatcher:
         choice = self.choose(problem)
         if choice.entry is None or choice.entry.key.shape != problem.shape_text:
             record(problem)  # no entry tuned for this exact problem: AUTOSOFT_RECORD notes it
+        choice = _raced(choice, store)
         try:
             return _load_checked(choice, store, load)
         except RuntimeError as exc:
             if choice.fallback is None:
                 raise
-            warnings.warn(f"autosoft: the selector's pick for {problem.family} {problem.shape_text} {problem.dtype} "
-                          f"failed ({exc}); using {choice.fallback.source} instead", CacheWarning, stacklevel=2)
+            _give_way(choice, exc, choice.fallback)
             return _load_checked(choice.fallback, store, load)
+
+
+def _give_way(choice: Choice, exc: RuntimeError, instead: Choice) -> None:
+    problem = choice.variant.problem
+    warnings.warn(f"autosoft: {choice.source} for {problem.family} {problem.shape_text} {problem.dtype} "
+                  f"failed ({exc}); using {instead.source} instead", CacheWarning, stacklevel=4)
+
+
+def _raced(choice: Choice, store: KernelStore) -> Choice:
+    """The faster of the choice and its rival on the choice's shape (module doc): the recorded
+    winner of their race, else the winner of a race run now and recorded; the choice itself
+    without a rival, above RACE_MAX_BYTES, or when the rival fails to compile or verify."""
+    rival = choice.rival
+    if rival is None or rival.variant.digest == choice.variant.digest:
+        return choice
+    problem = choice.variant.problem
+    contenders = [choice, rival]
+    variants = [c.variant for c in contenders]
+    winner = store.race_winner(problem, variants)
+    if winner is not None:
+        return next(c for c in contenders if c.variant.digest == winner)
+    family = get_family(problem.family)
+    if family.bytes_moved(problem) > RACE_MAX_BYTES:
+        return choice
+    ready: list[tuple[Choice, LoadedVariant]] = []
+    for contender in contenders:
+        try:
+            cubin = _compile_or_fail(contender.variant, store)
+            if not store.is_verified(contender.variant):
+                _verify_on_shape(contender.variant, store)
+                store.mark_verified(contender.variant)
+        except RuntimeError as exc:
+            if contender is choice:
+                _give_way(choice, exc, rival)
+            continue  # out of the race
+        ready.append((contender, LoadedVariant(contender.variant, cubin)))
+    if len(ready) < 2:
+        return ready[0][0] if ready else choice  # none: the choice fails again in _prepare, which says why
+    times = time_side_by_side(family, [loaded for _, loaded in ready])
+    fastest = ready[times.index(min(times))][0]
+    store.record_race(problem, variants, fastest.variant)
+    return fastest
 
 
 def _load_checked(choice: Choice, store: KernelStore,

@@ -5,6 +5,8 @@ file (`$AUTOSOFT_CACHE_DIR/kernels/` or `~/.cache/autosoft/kernels/`), holding
 
     <digest>.cubin               a cubin: a header (magic, digest, sha256 of the cubin), then the cubin
     <digest>-<target>.verified   a variant with this digest passed verification on this kind of GPU
+    <race>.race                  the digest that won a race: candidates for one untuned problem
+                                 timed against each other on this kind of GPU (dispatch.py)
 
 where <digest> is Variant.digest: the sha256 of source, compile options, architecture and NVRTC
 version, so a file can only ever be found by the compilation that made it. Softmax source
@@ -30,14 +32,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from . import compile as compiler
 from .cache import STORE_ENV, default_store_folder
 from .errors import UserError
 
 if TYPE_CHECKING:
-    from .families.base import Target, Variant
+    from .families.base import Problem, Target, Variant
 
 BYTES_ENV = "AUTOSOFT_KERNEL_STORE_BYTES"
 DEFAULT_MAX_BYTES = 1 << 30
@@ -79,6 +81,7 @@ class KernelStore:
         self._writable = self.max_bytes > 0  # set to False at the first failed write (one warning)
         self._memory: dict[str, bytes] = {}  # cubins that could not be written, for this process
         self._verified: set[str] = set()
+        self._races: dict[str, str] = {}  # race record name -> winner's digest
         self._counts = dict(hits=0, misses=0, compiles=0, writes=0, evictions=0, verifications_recorded=0)
 
     # -- cubins ---------------------------------------------------------------------------
@@ -137,6 +140,29 @@ class KernelStore:
         if self._writable:
             note = f"{variant.name} on {variant.target.name} (sm_{variant.target.arch}), {time.ctime()}\n"
             self._write_file(self.folder / name, note.encode())
+
+    # -- race records ---------------------------------------------------------------------
+    def race_winner(self, problem: Problem, contenders: Sequence[Variant]) -> str | None:
+        """The digest that won the race of these contenders on this problem, on this kind of GPU
+        (in this process or an earlier one); None when they have not raced."""
+        name = _race_name(problem, contenders)
+        with self._lock:
+            winner = self._races.get(name)
+        if winner is None:
+            try:
+                winner = (self.folder / name).read_text().split()[0]
+            except (OSError, IndexError):
+                return None
+        return winner if winner in {v.digest for v in contenders} else None
+
+    def record_race(self, problem: Problem, contenders: Sequence[Variant], winner: Variant) -> None:
+        """Record the race's winner; later processes serve it without racing."""
+        name = _race_name(problem, contenders)
+        with self._lock:
+            self._races[name] = winner.digest
+        if self._writable:
+            self._write_file(self.folder / name, f"{winner.digest} {winner.name} on {problem.shape_text}, "
+                                                 f"{time.ctime()}\n".encode())
 
     # -- bookkeeping ---------------------------------------------------------------------
     def stats(self) -> StoreStats:
@@ -288,6 +314,14 @@ def _verification_name(digest: str, target: Target) -> str:
     # (persistent grids, cooperative splits): a verification counts for one kind of GPU.
     kind = f"{target.arch}|{target.name}|{target.sm_count}|{target.smem_optin}|{target.l2_bytes}"
     return f"{digest}-{hashlib.sha256(kind.encode()).hexdigest()[:16]}.verified"
+
+
+def _race_name(problem: Problem, contenders: Sequence[Variant]) -> str:
+    # one record per problem (a softmax's row count changes the winner though not the cubin),
+    # set of contenders and kind of GPU
+    kind = _verification_name("0" * _DIGEST_LEN, contenders[0].target)[_DIGEST_LEN + 1:-len(".verified")]
+    text = "|".join([problem.family, problem.dtype, problem.shape_text, kind, *sorted(v.digest for v in contenders)])
+    return f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.race"
 
 
 def _check_digest(digest: str) -> None:

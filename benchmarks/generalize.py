@@ -9,9 +9,10 @@ and warm-started tunes against cold ones, on the held-out shapes of benchmarks/h
 For each held-out shape (the slice --shapes i:j of the family's list):
 (a) reference: a cold tune (no warm start) of --trials trials into <out stem>-reference.sqlite, never
     into --cache, whose per-trial times are kept;
-(b) the selector's pick and the nearest tuned entry (what dispatch served before selectors: the
-    pick's fallback) are verified and timed on the shape beside the reference's winner, side by
-    side; each ratio is the reference's time over the other's (1.0: as fast as the tune);
+(b) the selector's pick and the nearest tuned entry (what dispatch served before selectors) are
+    verified and timed on the shape beside the reference's winner, side by side; each ratio is
+    the reference's time over the other's (1.0: as fast as the tune). What dispatch serves is
+    asked of the dispatcher (the winner of its race, dispatch.py), in this process, before;
 (c) with --warm-start: a tune of the same trials that starts from what --cache knows (a copy of
     it, so --cache is never written), and the trials each tune took to come within 1% of the
     better of the two final bests (a tune that never does counts trials + 1, marked censored).
@@ -106,14 +107,17 @@ def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner
         dispatcher = Dispatcher()
         dispatcher.load_cache(args.cache)
         choice = dispatcher.choose(problem)
-        nearest = choice.fallback if choice.source.startswith(SELECTOR) else choice
+        pick, nearest = (choice, choice.fallback) if choice.source.startswith(SELECTOR) else (choice.rival, choice)
         variants = {"reference": build_variant(family, problem, ref["params"], device.target), "nearest": nearest.variant}
-        if choice.source.startswith(SELECTOR):
-            variants["selector"] = choice.variant
+        if pick is not None:
+            variants["selector"] = pick.variant
+        served = dispatcher.loaded(problem, runner.device.index).variant  # after its race, where it has one
         timeout_s = Watchdog().limit(ref["time_us"], evaluation_launches(family))
         timed = timed_side_by_side(family, runner, variants, timeout_s)
-        timed["selector_source"] = choice.source
+        timed["selector_source"] = pick.source if pick is not None else None
         timed["nearest_source"] = nearest.source
+        timed["served"] = next(name for name in ("selector", "nearest") if name in variants
+                               and variants[name].digest == served.digest)
         record["dispatch"] = {**timed, "commit": commit()}
     if args.warm_start and "warm" not in record:
         warm_cache = scratch / f"warm-{os.getpid()}.sqlite"
@@ -135,7 +139,8 @@ def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner
 
 def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
     """Ratios to the tune (1.0: as fast): the selector's picks, the nearest entries, and what
-    dispatch served (the selector's pick where it made one, else the nearest entry)."""
+    dispatch served (the winner of its race; in records of before the race, the selector's pick
+    where it made one, else the nearest entry)."""
     sel, near, served, served_vs_near, saved = [], [], [], [], []
     for name, r in records.items():
         d = r.get("dispatch")
@@ -145,7 +150,7 @@ def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
             if "selector" in d:
                 sel.append((speed["selector"], name))
             near.append((speed["nearest"], name))
-            chosen = speed["selector"] if "selector" in d else speed["nearest"]
+            chosen = speed[d["served"]] if "served" in d else speed["selector"] if "selector" in d else speed["nearest"]
             served.append((chosen, name))
             served_vs_near.append((chosen / speed["nearest"] if speed["nearest"] else math.inf, name))
         w = r.get("warm")

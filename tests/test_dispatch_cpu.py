@@ -383,7 +383,7 @@ def test_the_selector_serves_an_untuned_shape_before_the_nearest_entry(device, c
     choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 20000)))
     assert choice.source == "selector (config 1 of 2)" and not choice.trusted
     assert dict(choice.variant.params) == LONG
-    assert choice.fallback.source == "nearest 4096x8192"
+    assert choice.fallback.source == "nearest 4096x8192" and choice.rival == choice.fallback
     short = Dispatcher().choose(Problem("softmax", "float32", (300, 700)))
     assert dict(short.variant.params) == SHORT
 
@@ -411,6 +411,7 @@ def test_the_nearest_entry_serves_where_the_leafs_first_configuration_is_invalid
     choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))  # LONG is invalid on 700
     assert choice.source == "nearest 64x512" and dict(choice.variant.params) == near
     assert choice.fallback is None
+    assert choice.rival.source == "selector (config 1 of 2)" and dict(choice.rival.variant.params) == SHORT
 
 
 @pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("cuda_version", "12.8"),
@@ -444,8 +445,81 @@ def test_a_selector_pick_that_fails_verification_gives_way_to_the_nearest_entry(
         return "normal inputs: 3 elements wrong" if loaded.variant.params["storage"] == "reread" else None
 
     monkeypatch.setattr(dispatch, "verify", wrong_for_long)
-    with pytest.warns(autosoft.errors.CacheWarning, match="selector's pick .* failed .* using nearest 4096x8192"):
+    with pytest.warns(autosoft.errors.CacheWarning, match="selector \\(config 1 of 2\\) .* failed .* using nearest 4096x8192"):
         loaded = Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
     nearest = _params("4096x8192", streaming=True)
     assert dict(loaded.variant.params) == nearest
     assert checked == [LONG, nearest], "the nearest entry is verified too before it serves"
+
+
+# --- the race: the selector's pick against the nearest entry, on the shape, once -------------------
+
+NEAREST = _params("4096x8192", streaming=True)  # the entry _store_selector puts beside the selector
+SMALL = Problem("softmax", "float32", (64, 20000))  # few bytes: raced
+
+
+def _race_times(monkeypatch, fastest: dict) -> list:
+    """time_side_by_side stand-in: `fastest` params take 1 us, any other 2 us; returns its calls."""
+    calls = []
+
+    def fake(family, loaded, rounds=5, reps=20):
+        calls.append([dict(one.variant.params) for one in loaded])
+        return [1.0 if dict(one.variant.params) == fastest else 2.0 for one in loaded]
+
+    monkeypatch.setattr(dispatch, "time_side_by_side", fake)
+    return calls
+
+
+def _no_race(monkeypatch) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a race ran")
+
+    monkeypatch.setattr(dispatch, "time_side_by_side", forbidden)
+
+
+@pytest.mark.parametrize("fastest", [NEAREST, LONG], ids=["nearest", "selector"])
+def test_the_pick_and_the_nearest_entry_race_once_and_the_faster_serves(loading, cache_dir, monkeypatch, fastest):
+    _store_selector(cache_dir)
+    races = _race_times(monkeypatch, fastest)
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == fastest
+    assert races == [[LONG, NEAREST]] and len(loading["verify"]) == 2, "both verified, then timed"
+    _fresh_process(monkeypatch)
+    _no_race(monkeypatch)
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == fastest, "the recorded winner serves"
+    assert len(loading["verify"]) == 2 and len(loading["compile"]) == 2
+    races = _race_times(monkeypatch, NEAREST)
+    assert dict(Dispatcher().loaded(Problem("softmax", "float32", (32, 20000)), 0).variant.params) == NEAREST
+    assert len(races) == 1, "another row count races again, on the kernels already compiled and verified"
+    assert len(loading["verify"]) == 2 and len(loading["compile"]) == 2
+
+
+def test_a_shape_moving_more_than_the_race_bound_is_served_the_pick_unraced(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    _no_race(monkeypatch)
+    big = Problem("softmax", "float32", (4096, 20000))
+    assert get_family("softmax").bytes_moved(big) > dispatch.RACE_MAX_BYTES
+    assert dict(Dispatcher().loaded(big, 0).variant.params) == LONG
+    assert not list((cache_dir / "kernels").glob("*.race"))
+
+
+def test_the_nearest_entry_races_the_leafs_next_configuration_where_its_first_is_invalid(
+        loading, cache_dir, monkeypatch):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    near = _params("64x512", streaming=True)
+    cache.put(make_entry(_key("64x512"), params=near))
+    cache.put_selector(make_selector([LONG, SHORT], key=_key("4096x8192")))  # one leaf: LONG first, invalid on 700
+    races = _race_times(monkeypatch, SHORT)
+    assert dict(Dispatcher().loaded(Problem("softmax", "float32", (64, 700)), 0).variant.params) == SHORT
+    assert races == [[near, SHORT]]
+
+
+def test_a_pick_failing_verification_leaves_the_race_to_the_nearest_entry_unrecorded(
+        loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    _no_race(monkeypatch)
+    monkeypatch.setattr(dispatch, "verify", lambda family, loaded, seed: (
+        "normal inputs: 3 elements wrong" if loaded.variant.params["storage"] == "reread" else None))
+    with pytest.warns(autosoft.errors.CacheWarning, match="selector \\(config 1 of 2\\) .* failed .* using nearest"):
+        loaded = Dispatcher().loaded(SMALL, 0)
+    assert dict(loaded.variant.params) == NEAREST
+    assert not list((cache_dir / "kernels").glob("*.race")), "no race ran, so none is recorded"

@@ -1,5 +1,6 @@
 """GPU tier: a selector fitted on a few quickly tuned softmax shapes serves an untuned shape, its
-pick verified on the device first; the public function's output is then right."""
+pick and the nearest entry verified on the device and raced first; the public function's output
+is then right."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,8 +45,13 @@ def test_a_fitted_selector_serves_and_verifies_an_untuned_shape(cache_dir):
     assert choice.fallback is not None and choice.fallback.source.startswith("nearest")
     store = dispatcher.store
     loaded = dispatcher.loaded(UNTUNED, 0)
-    assert dict(loaded.variant.params) == dict(choice.variant.params)
-    assert store.is_verified(loaded.variant), "the pick was verified on the device before its first use"
+    contenders = [choice.variant, choice.fallback.variant]
+    assert loaded.variant.digest in {v.digest for v in contenders}
+    if contenders[0].digest != contenders[1].digest:
+        assert store.race_winner(UNTUNED, contenders) == loaded.variant.digest, "the pick and the nearest entry raced"
+        assert all(store.is_verified(v) for v in contenders), "both verified on the device before timing"
+    assert store.is_verified(loaded.variant)
+    assert Dispatcher().loaded(UNTUNED, 0).variant.digest == loaded.variant.digest, "the recorded winner serves"
 
     DISPATCHER.forget()  # the public function reads the cache again: earlier tests may have read it
     x = cp.random.standard_normal(UNTUNED.shape, dtype=cp.float32)

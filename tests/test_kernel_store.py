@@ -249,6 +249,24 @@ def _stub(digest: str):
     return stub
 
 
+def test_a_race_is_recorded_per_problem_contenders_and_kind_of_gpu(tmp_path):
+    problem = Problem("softmax", "float32", (100, 8192))
+    a, b = _variant((100, 8192)), _variant((100, 8192), vec=2)
+    store = KernelStore(tmp_path)
+    assert store.race_winner(problem, [a, b]) is None
+    store.record_race(problem, [a, b], b)
+    assert store.race_winner(problem, [a, b]) == b.digest
+    fresh = KernelStore(tmp_path)
+    assert fresh.race_winner(problem, [b, a]) == b.digest, "read back in a new process, in any order"
+    assert fresh.race_winner(Problem("softmax", "float32", (4096, 8192)), [a, b]) is None, "another row count"
+    c = _variant((100, 8192), vec=1)
+    assert fresh.race_winner(problem, [a, c]) is None, "other contenders race again"
+    h100 = replace(H200, name="NVIDIA H100", sm_count=114)
+    assert fresh.race_winner(problem, [_variant((100, 8192), target=h100), _variant((100, 8192), target=h100, vec=2)]) is None
+    (tmp_path / next(p.name for p in tmp_path.glob("*.race"))).write_text("not-a-digest\n")
+    assert KernelStore(tmp_path).race_winner(problem, [a, b]) is None, "a record naming no contender is ignored"
+
+
 def test_a_verification_is_recorded_per_digest_and_kind_of_gpu(tmp_path, compiles):
     store = KernelStore(tmp_path)
     variant = _variant((4096, 8192))
