@@ -16,7 +16,8 @@ a selector and the shape moves at most RACE_MAX_BYTES, the two race before their
 verified, then timed side by side on random data of this exact shape) and the faster serves. The
 race's winner is recorded in the kernel store, so it runs once per shape and kind of GPU, and a
 later process serves the same kernel. The race's rival of the nearest entry is the leaf's first
-valid configuration; a larger shape is served as described above, without a race.
+valid configuration. A larger shape, or a first call made while a CUDA graph is being captured
+there, is served as described above without a race (and without a record).
 
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -230,6 +232,16 @@ class Dispatcher:
             return _load_checked(choice.fallback, store, load)
 
 
+def _stream_capturing() -> bool:
+    """Whether the current stream of torch or CuPy is capturing a CUDA graph: a race syncs the
+    device, which would end the capture (a serving engine captures one graph per batch size)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return True
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and bool(cupy.cuda.get_current_stream().is_capturing())
+
+
 def _give_way(choice: Choice, exc: RuntimeError, instead: Choice) -> None:
     problem = choice.variant.problem
     warnings.warn(f"autosoft: {choice.source} for {problem.family} {problem.shape_text} {problem.dtype} "
@@ -250,8 +262,8 @@ def _raced(choice: Choice, store: KernelStore) -> Choice:
     if winner is not None:
         return next(c for c in contenders if c.variant.digest == winner)
     family = get_family(problem.family)
-    if family.bytes_moved(problem) > RACE_MAX_BYTES:
-        return choice
+    if family.bytes_moved(problem) > RACE_MAX_BYTES or _stream_capturing():
+        return choice  # not recorded: a later process, not capturing, races
     ready: list[tuple[Choice, LoadedVariant]] = []
     for contender in contenders:
         try:

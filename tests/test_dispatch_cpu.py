@@ -284,6 +284,7 @@ def loading(monkeypatch, device, cache_dir):
     monkeypatch.setattr(compiler, "compile_source", fake_compile)
     monkeypatch.setattr(dispatch, "LoadedVariant", _FakeLoaded)
     monkeypatch.setattr(dispatch, "verify", fake_verify)
+    monkeypatch.setattr(dispatch, "_stream_capturing", lambda: False)  # no GPU, no capture
     monkeypatch.setattr(kernel_store, "_STORES", {})
     return calls
 
@@ -523,3 +524,11 @@ def test_a_pick_failing_verification_leaves_the_race_to_the_nearest_entry_unreco
         loaded = Dispatcher().loaded(SMALL, 0)
     assert dict(loaded.variant.params) == NEAREST
     assert not list((cache_dir / "kernels").glob("*.race")), "no race ran, so none is recorded"
+
+
+def test_a_first_call_inside_a_cuda_graph_capture_is_served_the_pick_unraced(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    _no_race(monkeypatch)
+    monkeypatch.setattr(dispatch, "_stream_capturing", lambda: True)
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG
+    assert not list((cache_dir / "kernels").glob("*.race")), "a later process, not capturing, races"

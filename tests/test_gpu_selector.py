@@ -59,3 +59,18 @@ def test_a_fitted_selector_serves_and_verifies_an_untuned_shape(cache_dir):
     expected = np.exp(cp.asnumpy(x) - cp.asnumpy(x).max(axis=1, keepdims=True))
     expected /= expected.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(cp.asnumpy(y), expected, rtol=1e-4, atol=1e-6)
+
+    # A new row count of that row length met first inside a CUDA graph capture (a serving engine
+    # captures one graph per batch size): served without a race, which would sync and end the capture.
+    torch = pytest.importorskip("torch")
+    captured_shape = (40, UNTUNED.shape[1])
+    xt = torch.randn(captured_shape, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yt = autosoft.softmax(xt)
+    xt.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(yt, torch.softmax(xt, dim=-1), rtol=1e-4, atol=1e-6)
+    captured = Problem("softmax", "float32", captured_shape)
+    assert store.race_winner(captured, contenders) is None, "not raced inside the capture, so not recorded"
