@@ -13,11 +13,13 @@ choice that would have come without the selector (nearest, then default), verifi
 
 A selector's pick is a guess from other shapes, and so is the nearest entry: where the family has
 a selector and the shape moves at most RACE_MAX_BYTES, the two race before their first use (both
-verified, then timed side by side on random data of this exact shape) and the faster serves. The
+verified, then timed side by side on random data of this exact shape) and the faster serves (the
+pick only when faster by RACE_MARGIN: close kernels swap places from one timing to the next). The
 race's winner is recorded in the kernel store, so it runs once per shape and kind of GPU, and a
 later process serves the same kernel. The race's rival of the nearest entry is the leaf's first
-valid configuration. A larger shape, or a first call made while a CUDA graph is being captured
-there, is served as described above without a race (and without a record).
+valid configuration. A larger shape, a first call made while a CUDA graph is being captured, or
+one when the device has no room for the race's data is served as described above without a race
+(and without a record).
 
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
@@ -39,7 +41,7 @@ from typing import Callable
 from .cache import Cache, CacheKey, Entry, default_cache_path
 from .compile import nvrtc_version
 from .errors import CacheWarning, UserError
-from .evaluate import time_side_by_side, verify
+from .evaluate import race, verify
 from .families import get_family
 from .families.base import Family, Problem, Target, Variant, build_variant, family_template_digest, space_of
 from .kernel_store import KernelStore, default_store
@@ -52,7 +54,10 @@ SELECTOR = "selector"
 _VERSION = re.compile(r"^(\d+)\.(\d+)$")
 # the most bytes a call may move for its shape to be raced: a race allocates its inputs and outputs
 # (several sets for a small shape, to rotate them past the L2) beside the caller's
-RACE_MAX_BYTES = 256 << 20
+RACE_MAX_BYTES = 1 << 30
+# how much faster than the borrowed choice (what served before selectors) the selector's pick must
+# run to serve instead: two kernels closer than this swap places from one timing to the next
+RACE_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -278,8 +283,13 @@ def _raced(choice: Choice, store: KernelStore) -> Choice:
         ready.append((contender, LoadedVariant(contender.variant, cubin)))
     if len(ready) < 2:
         return ready[0][0] if ready else choice  # none: the choice fails again in _prepare, which says why
-    times = time_side_by_side(family, [loaded for _, loaded in ready])
-    fastest = ready[times.index(min(times))][0]
+    times = race(family, [loaded for _, loaded in ready])
+    if times is None:
+        return choice  # no room on the device for the race's data: unrecorded, a later process races
+    # the selector's pick, to serve, must beat the borrowed choice by RACE_MARGIN
+    scores = [t if contender.source.startswith(SELECTOR) else t * (1.0 - RACE_MARGIN)
+              for t, (contender, _) in zip(times, ready)]
+    fastest = ready[scores.index(min(scores))][0]
     store.record_race(problem, variants, fastest.variant)
     return fastest
 

@@ -75,6 +75,20 @@ def time_side_by_side(family: Family, loaded: list[LoadedVariant], rounds: int =
     return [statistics.median(out) for out in samples]
 
 
+def race(family: Family, loaded: list[LoadedVariant]) -> list[float] | None:
+    """time_side_by_side for dispatch's race before a first call: None when the device has no
+    room for the inputs it allocates beside the caller's. What it allocated goes back to the
+    device after, not to CuPy's pool: the caller's arrays may be torch's, whose allocator
+    cannot use that pool."""
+    cp = cupy_module()
+    try:
+        return time_side_by_side(family, loaded)
+    except cp.cuda.memory.OutOfMemoryError:
+        return None
+    finally:
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def _timing_sets(family: Family, variant: Variant, seed: int) -> list[dict[str, Any]]:
     """Input/output sets of fresh normal data, enough of them that rotating over them keeps
     every run's data cold in the L2."""

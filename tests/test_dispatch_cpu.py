@@ -428,12 +428,12 @@ def test_a_selector_of_another_minor_version_serves(device_13_5, cache_dir):
 
 
 def test_the_selector_pick_is_verified_once_before_its_first_use(loading, cache_dir, monkeypatch):
-    _store_selector(cache_dir)
-    loaded = Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
+    _store_selector(cache_dir)  # the shape moves more than RACE_MAX_BYTES: served unraced
+    loaded = Dispatcher().loaded(Problem("softmax", "float32", (16384, 20000)), 0)
     assert dict(loaded.variant.params) == LONG
     assert loading["verify"] == [(256, 20000)]
     _fresh_process(monkeypatch)
-    Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
+    Dispatcher().loaded(Problem("softmax", "float32", (16384, 20000)), 0)
     assert loading["verify"] == [(256, 20000)], "its verification is recorded in the store"
 
 
@@ -459,15 +459,15 @@ NEAREST = _params("4096x8192", streaming=True)  # the entry _store_selector puts
 SMALL = Problem("softmax", "float32", (64, 20000))  # few bytes: raced
 
 
-def _race_times(monkeypatch, fastest: dict) -> list:
-    """time_side_by_side stand-in: `fastest` params take 1 us, any other 2 us; returns its calls."""
+def _race_times(monkeypatch, fastest: dict, slower: float = 2.0) -> list:
+    """evaluate.race stand-in: `fastest` params take 1 us, any other `slower`; returns its calls."""
     calls = []
 
-    def fake(family, loaded, rounds=5, reps=20):
+    def fake(family, loaded):
         calls.append([dict(one.variant.params) for one in loaded])
-        return [1.0 if dict(one.variant.params) == fastest else 2.0 for one in loaded]
+        return [1.0 if dict(one.variant.params) == fastest else slower for one in loaded]
 
-    monkeypatch.setattr(dispatch, "time_side_by_side", fake)
+    monkeypatch.setattr(dispatch, "race", fake)
     return calls
 
 
@@ -475,7 +475,7 @@ def _no_race(monkeypatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("a race ran")
 
-    monkeypatch.setattr(dispatch, "time_side_by_side", forbidden)
+    monkeypatch.setattr(dispatch, "race", forbidden)
 
 
 @pytest.mark.parametrize("fastest", [NEAREST, LONG], ids=["nearest", "selector"])
@@ -497,7 +497,7 @@ def test_the_pick_and_the_nearest_entry_race_once_and_the_faster_serves(loading,
 def test_a_shape_moving_more_than_the_race_bound_is_served_the_pick_unraced(loading, cache_dir, monkeypatch):
     _store_selector(cache_dir)
     _no_race(monkeypatch)
-    big = Problem("softmax", "float32", (4096, 20000))
+    big = Problem("softmax", "float32", (16384, 20000))
     assert get_family("softmax").bytes_moved(big) > dispatch.RACE_MAX_BYTES
     assert dict(Dispatcher().loaded(big, 0).variant.params) == LONG
     assert not list((cache_dir / "kernels").glob("*.race"))
@@ -532,3 +532,19 @@ def test_a_first_call_inside_a_cuda_graph_capture_is_served_the_pick_unraced(loa
     monkeypatch.setattr(dispatch, "_stream_capturing", lambda: True)
     assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG
     assert not list((cache_dir / "kernels").glob("*.race")), "a later process, not capturing, races"
+
+
+def test_the_pick_must_beat_the_nearest_entry_by_the_margin_to_serve(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    _race_times(monkeypatch, LONG, slower=1.0 + dispatch.RACE_MARGIN / 2)  # faster, but within the noise
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == NEAREST
+    _fresh_process(monkeypatch)
+    _race_times(monkeypatch, LONG, slower=1.0 + 2 * dispatch.RACE_MARGIN)
+    assert dict(Dispatcher().loaded(Problem("softmax", "float32", (32, 20000)), 0).variant.params) == LONG
+
+
+def test_no_room_on_the_device_for_the_race_serves_the_pick_unrecorded(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    monkeypatch.setattr(dispatch, "race", lambda family, loaded: None)
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG
+    assert not list((cache_dir / "kernels").glob("*.race"))
