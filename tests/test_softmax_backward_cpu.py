@@ -124,7 +124,7 @@ def test_valid_points_keep_the_promises_the_kernels_rely_on(arch):
                 assert arch == "90" and p["split"] <= 16
             if p["split"] > 1:
                 seg = -(-(-(-n // p["split"])) // 8) * 8
-                assert p["storage"] in ("registers", "smem") and p["row_threads"] == p["threads"] and not p["persistent"]
+                assert p["row_threads"] == p["threads"] and not p["persistent"], p  # a block per segment
                 assert -(-n // seg) == p["split"], p  # no empty segment
             if p["combine"] == "grid":
                 # the whole grid resident: 2048 threads and 32 blocks per SM at most
@@ -179,6 +179,23 @@ def test_the_default_uses_16_byte_vectors_when_the_row_allows_and_splits_few_wid
     assert FAMILY.default_params(FAMILY.problem("4096x8192", "float32"), target)["split"] == 1
 
 
+def test_few_rows_past_the_registers_reach_split_and_stream_twice():
+    """Float32 8x500000: y and dy (32 MB) outgrow the registers of every split whose blocks can all
+    be resident, and a segment outgrows shared memory, so the default streams split segments."""
+    target = Target(arch="90", name="NVIDIA H100 80GB HBM3", sm_count=132, smem_optin=227 * 1024)
+    problem = FAMILY.problem("8x500000", "float32")
+    values = FAMILY.problem_values(problem, target)
+    valid = space_of(FAMILY).valid_points(values)
+    assert not [p for p in valid if p["split"] > 1 and p["storage"] != "reread"]
+    params = FAMILY.default_params(problem, target)
+    assert params["split"] > 1 and params["storage"] == "reread", params
+    source = build_variant(FAMILY, problem, params, target).source
+    exchange = ", exchange" if params["combine"] == "grid" else ""
+    assert f"s = row_sum(s, scratch{exchange});" in source, "the streamed segment's sum is the row's"
+    seeds = FAMILY.seed_params(problem, target)
+    assert {p["combine"] for p in seeds if p["split"] > 1} == {"cluster", "grid"}
+
+
 def test_grid_split_launch_declares_its_workspace():
     problem = FAMILY.problem("2x262144", "float32")
     target = Target.for_arch("80")
@@ -214,6 +231,8 @@ def _built() -> list[tuple[str, str, str, tuple[str, ...]]]:
                 points += rng.sample(kind, min(1, len(kind)))
             reread = [p for p in valid if p["storage"] == "reread" and p["unroll"] > 1]
             points += rng.sample(reread, min(1, len(reread)))
+            reread_split = [p for p in valid if p["storage"] == "reread" and p["split"] > 1]
+            points += rng.sample(reread_split, min(1, len(reread_split)))
             for split in (False, True):  # staged in shared memory, a row per group and split
                 staged = [p for p in valid if p["storage"] == "smem" and (p["split"] > 1) == split]
                 points += rng.sample(staged, min(1, len(staged)))
@@ -231,6 +250,8 @@ def test_sample_covers_every_strategy():
     assert any(re.search(r"_u[248]_reread", n) for n in names)
     assert any(re.search(r"_smem(_log)?_c[24]", n) for n in names), "chunked copies"
     assert any(re.search(r"_smem.*_(cluster|grid)\d+", n) for n in names), "split rows staged"
+    assert any(re.search(r"_reread.*_cluster\d+", n) for n in names), "split rows streamed, over a cluster"
+    assert any(re.search(r"_reread.*_grid\d+", n) for n in names), "split rows streamed, over a grid"
 
 
 def test_example_defaults_and_sampled_variants_compile_with_nvrtc_for_sm90_and_sm80():
@@ -392,7 +413,8 @@ def test_one_variant_of_each_strategy_builds_with_plain_nvcc(arch, tmp_path):
     picks = [(odd, FAMILY.default_params(odd, target)), (problem, FAMILY.default_params(problem, target))]
     for want in ({"storage": "reread", "unroll": 4}, {"combine": "grid"}, {"combine": "cluster"},
                  {"storage": "smem", "chunks": 2}, {"storage": "smem", "combine": "cluster"},
-                 {"streaming": True, "persistent": True}, {"vec": 1}):
+                 {"streaming": True, "persistent": True}, {"vec": 1}, {"storage": "reread", "combine": "grid"},
+                 {"storage": "reread", "combine": "cluster"}):
         match = [p for p in valid if all(p[k] == v for k, v in want.items())]
         if arch == "80" and want.get("combine") == "cluster":
             assert not match, "clusters need sm_90"

@@ -126,13 +126,16 @@ class SoftmaxBackwardFamily(RowsFamily):
             splits = sorted((1 << k for k in range(1, most.bit_length())),
                             key=lambda s: (abs(s.bit_length() - aim.bit_length()), -s))
             combines = ("cluster", "grid") if int(target.arch) >= 90 else ("grid",)
-            for split in splits:
-                for combine in combines:
-                    for threads in (1024, 512):
-                        candidate = {**p, "threads": threads, "row_threads": threads, "split": split,
-                                     "combine": combine}
-                        if self.is_valid(problem, target, candidate):
-                            return candidate
+            # then, for rows whose y and dy outgrow the registers of the blocks that can wait for
+            # each other (float32 8x500000), segments streamed twice, the second time from L2
+            for storage in ({"storage": "registers", "unroll": 1}, {"storage": "reread", "unroll": 2}):
+                for split in splits:
+                    for combine in combines:
+                        for threads in (1024, 512):
+                            candidate = {**p, **storage, "threads": threads, "row_threads": threads, "split": split,
+                                         "combine": combine}
+                            if self.is_valid(problem, target, candidate):
+                                return candidate
         if not self.is_valid(problem, target, p):
             # too long for the registers of one block: staged in shared memory a row per block,
             # else held in registers over a cluster of two, else staged over a cluster (on the
@@ -153,7 +156,7 @@ class SoftmaxBackwardFamily(RowsFamily):
         """Structured starting points the tuner measures first: rows held in registers by groups
         of every size (also with evict-first accesses, and persistent), rows streamed twice with
         more loads in flight, rows and split rows staged in shared memory, and splits over a
-        cluster or a cooperative grid for wide rows."""
+        cluster or a cooperative grid for wide rows, held or streamed twice."""
         base = self.default_params(problem, target)
         held: dict[str, ParamValue] = {"storage": "registers", "unroll": 1, "chunks": 1, "split": 1, "combine": "none",
                                        "persistent": False}
@@ -198,6 +201,10 @@ class SoftmaxBackwardFamily(RowsFamily):
             for threads in (256, 512, 1024):
                 changes.append({**held, "combine": "grid", "split": split, "threads": threads,
                                 "row_threads": threads})
+        for split in (8, 16, 32, 64, 128):  # split and streamed twice: rows past the registers' reach
+            for threads in (512, 1024):
+                changes.append({**streamed, "combine": "cluster" if split <= 16 else "grid", "split": split,
+                                "threads": threads, "row_threads": threads, "unroll": 2})
         return valid_neighbours(self, problem, target, base, changes)
 
     def _first_valid(self, problem: Problem, target: Target, p: dict[str, ParamValue]) -> dict[str, ParamValue]:
