@@ -5,6 +5,8 @@ and warm-started tunes against cold ones, on the held-out shapes of benchmarks/h
     python benchmarks/generalize.py --cache sweep.sqlite --family softmax --shapes 0:6 --out gen.json
     python benchmarks/generalize.py --cache sweep.sqlite --family softmax --shapes 0:6 --warm-start --out gen.json
     python benchmarks/generalize.py --cache refit.sqlite --family softmax --redo dispatch --out gen.json  # after a refit
+    CUDA_VISIBLE_DEVICES=1 python benchmarks/generalize.py ... --shapes 8:16 --out gen1.json         # one GPU of several
+    python benchmarks/generalize.py --merge gen0.json gen1.json gen2.json gen3.json --out gen.json
 
 For each held-out shape (the slice --shapes i:j of the family's list):
 (a) reference: a cold tune (no warm start) of --trials trials into <out stem>-reference.sqlite, never
@@ -171,10 +173,37 @@ def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
             "warm_worst": min(saved, default=None)}
 
 
+def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One results dict from the --out files of processes that measured disjoint slices of the
+    held-out shapes (one per GPU of a host), with each family's summary over all of them. They
+    must share the GPU model and NVRTC; a shape measured twice is an error."""
+    out: dict[str, Any] = {"families": {}}
+    for part in parts:
+        for field in ("gpu", "nvrtc"):
+            if out.setdefault(field, part.get(field)) != part.get(field):
+                raise ValueError(f"the files were measured on different {field}s: {out[field]} and {part.get(field)}")
+        out.setdefault("commits", [])
+        if part.get("commit") not in out["commits"]:
+            out["commits"].append(part.get("commit"))
+        for family, records in part.get("families", {}).items():
+            into = out["families"].setdefault(family, {})
+            for name, record in records.items():
+                if name in into:
+                    raise ValueError(f"{family} {name} is in two of the files")
+                into[name] = record
+        for family, selector in part.get("selector", {}).items():
+            out.setdefault("selector", {})[family] = selector
+    out["summary"] = {family: summary(family, records) for family, records in out["families"].items()}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, required=True, help="the tuned cache holding the family's selector")
-    parser.add_argument("--family", required=True, choices=("softmax", "softmax_backward", "attention"))
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="measure nothing: write the union of these --out files (disjoint --shapes slices, "
+                             "e.g. one process per GPU) to --out, with the summary over all of them")
+    parser.add_argument("--cache", type=Path, help="the tuned cache holding the family's selector")
+    parser.add_argument("--family", choices=("softmax", "softmax_backward", "attention"))
     parser.add_argument("--shapes", default=":", metavar="I:J", help="slice of the family's held-out shapes")
     parser.add_argument("--trials", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
@@ -184,6 +213,16 @@ def main() -> int:
                              "dispatch or warm-start change); a run cut short continues with the same flags")
     parser.add_argument("--out", type=Path, required=True, help="results JSON, read first and continued")
     args = parser.parse_args()
+    if args.merge:
+        try:
+            results = merged([json.loads(path.read_text()) for path in args.merge])
+        except (OSError, ValueError) as exc:
+            sys.exit(f"generalize.py --merge: {exc}")
+        write(args.out, results)
+        print(json.dumps(results["summary"], indent=1))
+        return 0
+    if args.family is None or args.cache is None:
+        parser.error("--family and --cache are required unless --merge is given")
     family = get_family(args.family)
     if not args.cache.is_file():
         sys.exit(f"generalize.py: no cache at {args.cache}")

@@ -47,3 +47,34 @@ def test_where_dispatch_raced_the_winner_of_its_race_is_what_served():
     assert s["served_geomean"] == pytest.approx((1.0 * 1.0 * 10 / 11) ** (1 / 3))
     assert s["served_worst"] == (pytest.approx(10 / 11), "c")
     assert s["served_vs_nearest_worst"] == (pytest.approx(1.0), "b")
+
+
+def test_files_of_one_process_per_gpu_merge_into_one_summary():
+    a = {"gpu": "NVIDIA H100 80GB HBM3", "nvrtc": "13.0", "commit": "abc",
+         "families": {"softmax": {"x": _record(10.0, 20.0, selector=10.0, served="selector")}}}
+    b = {"gpu": "NVIDIA H100 80GB HBM3", "nvrtc": "13.0", "commit": "abc",
+         "families": {"softmax": {"y": _record(10.0, 12.5, served="nearest")}}}
+    out = bench.merged([a, b])
+    assert set(out["families"]["softmax"]) == {"x", "y"} and out["commits"] == ["abc"]
+    assert out["summary"]["softmax"]["served_worst"] == (pytest.approx(0.8), "y")
+    with pytest.raises(ValueError, match="in two of the files"):
+        bench.merged([a, a])
+    with pytest.raises(ValueError, match="different gpus"):
+        bench.merged([a, {**b, "gpu": "NVIDIA H200"}])
+
+
+def test_merge_from_the_command_line_writes_the_union(tmp_path):
+    import json
+    import subprocess
+
+    part = {"gpu": "g", "nvrtc": "13.0", "commit": "abc", "families": {"softmax": {"x": _record(10.0, 10.0)}}}
+    (tmp_path / "a.json").write_text(json.dumps(part))
+    (tmp_path / "b.json").write_text(json.dumps({**part, "families": {"softmax": {"y": _record(10.0, 20.0)}}}))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "generalize.py"
+    done = subprocess.run([sys.executable, str(script), "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                           "--out", str(tmp_path / "gen.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads((tmp_path / "gen.json").read_text())["families"]["softmax"]) == {"x", "y"}
+    again = subprocess.run([sys.executable, str(script), "--merge", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+                            "--out", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "in two of the files" in again.stderr and not (tmp_path / "bad.json").exists()
