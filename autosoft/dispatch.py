@@ -17,9 +17,10 @@ verified, then timed side by side on random data of this exact shape) and the fa
 pick only when faster by RACE_MARGIN: close kernels swap places from one timing to the next). The
 race's winner is recorded in the kernel store, so it runs once per shape and kind of GPU, and a
 later process serves the same kernel. The race's rival of the nearest entry is the leaf's first
-valid configuration. A larger shape, a first call made while a CUDA graph is being captured, or
-one when the device has no room for the race's data is served as described above without a race
-(and without a record).
+valid configuration. A larger shape, a first call made while a CUDA graph is being captured, one
+when the device has no room for the race's data, and one in a process that has not loaded CuPy
+and would load it only to race (torch tensors, a warm store) are served as described above
+without a race (and without a record).
 
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
@@ -237,6 +238,10 @@ class Dispatcher:
             return _load_checked(choice.fallback, store, load)
 
 
+def _cupy_loaded() -> bool:
+    return "cupy" in sys.modules
+
+
 def _stream_capturing() -> bool:
     """Whether the current stream of torch or CuPy is capturing a CUDA graph: a race syncs the
     device, which would end the capture (a serving engine captures one graph per batch size)."""
@@ -256,7 +261,7 @@ def _give_way(choice: Choice, exc: RuntimeError, instead: Choice) -> None:
 def _raced(choice: Choice, store: KernelStore) -> Choice:
     """The faster of the choice and its rival on the choice's shape (module doc): the recorded
     winner of their race, else the winner of a race run now and recorded; the choice itself
-    without a rival, above RACE_MAX_BYTES, or when the rival fails to compile or verify."""
+    without a rival, where no race may run (module doc), or when the race cannot finish."""
     rival = choice.rival
     if rival is None or rival.variant.digest == choice.variant.digest:
         return choice
@@ -269,6 +274,20 @@ def _raced(choice: Choice, store: KernelStore) -> Choice:
     family = get_family(problem.family)
     if family.bytes_moved(problem) > RACE_MAX_BYTES or _stream_capturing():
         return choice  # not recorded: a later process, not capturing, races
+    if not _cupy_loaded() and all(store.is_verified(v) for v in variants):
+        return choice  # torch tensors and a warm store: CuPy, which a race times with, stays unloaded
+    try:
+        return _race(choice, rival, family, store)
+    except (MemoryError, RuntimeError, UserError):
+        return choice  # no room for the race's data, a device error or no CuPy: as if it had not run
+
+
+def _race(choice: Choice, rival: Choice, family: Family, store: KernelStore) -> Choice:
+    """_raced's race: both contenders compiled and verified (one that fails is out), timed side by
+    side, the winner recorded."""
+    problem = choice.variant.problem
+    contenders = [choice, rival]
+    variants = [c.variant for c in contenders]
     ready: list[tuple[Choice, LoadedVariant]] = []
     for contender in contenders:
         try:

@@ -11,7 +11,7 @@ from .dtypes import poisoned
 from .errors import one_line
 from .families.base import Family, Variant
 from .runtime import LoadedVariant, cupy_module
-from .timing import Timing, rotation_count, time_gpu
+from .timing import Timing, release_l2_scratch, rotation_count, time_gpu
 
 
 class Status(str, enum.Enum):
@@ -86,6 +86,7 @@ def race(family: Family, loaded: list[LoadedVariant]) -> list[float] | None:
     except cp.cuda.memory.OutOfMemoryError:
         return None
     finally:
+        release_l2_scratch()
         cp.get_default_memory_pool().free_all_blocks()
 
 

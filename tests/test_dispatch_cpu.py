@@ -285,6 +285,7 @@ def loading(monkeypatch, device, cache_dir):
     monkeypatch.setattr(dispatch, "LoadedVariant", _FakeLoaded)
     monkeypatch.setattr(dispatch, "verify", fake_verify)
     monkeypatch.setattr(dispatch, "_stream_capturing", lambda: False)  # no GPU, no capture
+    monkeypatch.setattr(dispatch, "_cupy_loaded", lambda: True)  # as in a process that verified
     monkeypatch.setattr(kernel_store, "_STORES", {})
     return calls
 
@@ -546,5 +547,32 @@ def test_the_pick_must_beat_the_nearest_entry_by_the_margin_to_serve(loading, ca
 def test_no_room_on_the_device_for_the_race_serves_the_pick_unrecorded(loading, cache_dir, monkeypatch):
     _store_selector(cache_dir)
     monkeypatch.setattr(dispatch, "race", lambda family, loaded: None)
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG
+    assert not list((cache_dir / "kernels").glob("*.race"))
+
+
+def test_a_torch_process_with_a_warm_store_serves_the_pick_unraced_without_loading_cupy(
+        loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    _race_times(monkeypatch, NEAREST)
+    Dispatcher().loaded(SMALL, 0)  # both contenders compiled and verified, the race recorded
+    _fresh_process(monkeypatch)
+    monkeypatch.setattr(dispatch, "_cupy_loaded", lambda: False)
+    _no_race(monkeypatch)
+    other_rows = Problem("softmax", "float32", (32, 20000))
+    assert dict(Dispatcher().loaded(other_rows, 0).variant.params) == LONG, "a new row count: the pick, unraced"
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == NEAREST, "a recorded race still serves its winner"
+    assert len(list((cache_dir / "kernels").glob("*.race"))) == 1
+
+
+@pytest.mark.parametrize("error", [MemoryError("out of memory"), RuntimeError("cudaErrorLaunchFailure"),
+                                   autosoft.errors.NoDeviceError("CuPy is not installed")])
+def test_a_race_that_cannot_finish_serves_the_pick_unrecorded(loading, cache_dir, monkeypatch, error):
+    _store_selector(cache_dir)
+
+    def failing(family, loaded):
+        raise error
+
+    monkeypatch.setattr(dispatch, "race", failing)
     assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG
     assert not list((cache_dir / "kernels").glob("*.race"))
