@@ -196,14 +196,15 @@ class Dispatcher:
         selector = find_selector(self.selectors(), key)
         if selector is None:
             return None
-        pick = selector_pick(selector, family, problem, target, first_only=False)
+        first = selector_pick(selector, family, problem, target, first_only=True)
+        pick = first or selector_pick(selector, family, problem, target, first_only=False)
         if pick is None:
             return None
         index, variant = pick
-        chosen = Choice(variant, f"{SELECTOR} (config {index} of {len(selector.configs)})", None, borrowed, borrowed)
-        if borrowed.entry is not None and selector_pick(selector, family, problem, target, first_only=True) is None:
-            return replace(borrowed, rival=replace(chosen, rival=None))  # see selector_pick
-        return chosen
+        source = f"{SELECTOR} (config {index} of {len(selector.configs)})"
+        if first is None and borrowed.entry is not None:  # see selector_pick: the nearest entry serves
+            return replace(borrowed, rival=Choice(variant, source, None, borrowed))
+        return Choice(variant, source, None, borrowed, borrowed)
 
     def loaded(self, problem: Problem, device_index: int,
                load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
@@ -277,17 +278,15 @@ def _raced(choice: Choice, store: KernelStore) -> Choice:
     if not _cupy_loaded() and all(store.is_verified(v) for v in variants):
         return choice  # torch tensors and a warm store: CuPy, which a race times with, stays unloaded
     try:
-        return _race(choice, rival, family, store)
+        return _race(contenders, family, store)
     except (MemoryError, RuntimeError, UserError):
         return choice  # no room for the race's data, a device error or no CuPy: as if it had not run
 
 
-def _race(choice: Choice, rival: Choice, family: Family, store: KernelStore) -> Choice:
-    """_raced's race: both contenders compiled and verified (one that fails is out), timed side by
-    side, the winner recorded."""
-    problem = choice.variant.problem
-    contenders = [choice, rival]
-    variants = [c.variant for c in contenders]
+def _race(contenders: list[Choice], family: Family, store: KernelStore) -> Choice:
+    """_raced's race of [choice, rival]: both compiled and verified (one that fails is out), timed
+    side by side, the winner recorded."""
+    choice, rival = contenders
     ready: list[tuple[Choice, LoadedVariant]] = []
     for contender in contenders:
         try:
@@ -309,7 +308,7 @@ def _race(choice: Choice, rival: Choice, family: Family, store: KernelStore) -> 
     scores = [t if contender.source.startswith(SELECTOR) else t * (1.0 - RACE_MARGIN)
               for t, (contender, _) in zip(times, ready)]
     fastest = ready[scores.index(min(scores))][0]
-    store.record_race(problem, variants, fastest.variant)
+    store.record_race(choice.variant.problem, [c.variant for c in contenders], fastest.variant)
     return fastest
 
 

@@ -309,17 +309,21 @@ def _unpack(digest: str, data: bytes) -> bytes | None:
     return cubin if hashlib.sha256(cubin).digest() == checksum else None
 
 
-def _verification_name(digest: str, target: Target) -> str:
+def _gpu_kind(target: Target) -> str:
     # The cubin depends on the architecture alone, but a launch's geometry on the GPU's size
-    # (persistent grids, cooperative splits): a verification counts for one kind of GPU.
+    # (persistent grids, cooperative splits): a verification or a race counts for one kind of GPU.
     kind = f"{target.arch}|{target.name}|{target.sm_count}|{target.smem_optin}|{target.l2_bytes}"
-    return f"{digest}-{hashlib.sha256(kind.encode()).hexdigest()[:16]}.verified"
+    return hashlib.sha256(kind.encode()).hexdigest()[:16]
+
+
+def _verification_name(digest: str, target: Target) -> str:
+    return f"{digest}-{_gpu_kind(target)}.verified"
 
 
 def _race_name(problem: Problem, contenders: Sequence[Variant]) -> str:
     # one record per problem (a softmax's row count changes the winner though not the cubin),
     # set of contenders and kind of GPU
-    kind = _verification_name("0" * _DIGEST_LEN, contenders[0].target)[_DIGEST_LEN + 1:-len(".verified")]
+    kind = _gpu_kind(contenders[0].target)
     text = "|".join([problem.family, problem.dtype, problem.shape_text, kind, *sorted(v.digest for v in contenders)])
     return f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.race"
 

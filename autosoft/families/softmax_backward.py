@@ -9,6 +9,7 @@ kernel reads y and dy once from memory and writes dx once, so it is compared wit
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Mapping
 
 import numpy as np
@@ -128,14 +129,13 @@ class SoftmaxBackwardFamily(RowsFamily):
             combines = ("cluster", "grid") if int(target.arch) >= 90 else ("grid",)
             # then, for rows whose y and dy outgrow the registers of the blocks that can wait for
             # each other (float32 8x500000), segments streamed twice, the second time from L2
-            for storage in ({"storage": "registers", "unroll": 1}, {"storage": "reread", "unroll": 2}):
-                for split in splits:
-                    for combine in combines:
-                        for threads in (1024, 512):
-                            candidate = {**p, **storage, "threads": threads, "row_threads": threads, "split": split,
-                                         "combine": combine}
-                            if self.is_valid(problem, target, candidate):
-                                return candidate
+            ways = itertools.product(({"storage": "registers", "unroll": 1}, {"storage": "reread", "unroll": 2}),
+                                     splits, combines, (1024, 512))
+            for storage, split, combine, threads in ways:
+                candidate = {**p, **storage, "threads": threads, "row_threads": threads, "split": split,
+                             "combine": combine}
+                if self.is_valid(problem, target, candidate):
+                    return candidate
         if not self.is_valid(problem, target, p):
             # too long for the registers of one block: staged in shared memory a row per block,
             # else held in registers over a cluster of two, else staged over a cluster (on the
