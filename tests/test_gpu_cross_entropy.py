@@ -260,6 +260,34 @@ def test_backward_scales_by_the_incoming_gradient_and_every_row_ignored_gives_na
     assert torch.isnan(loss) and (logits.grad == 0).all()  # torch gives NaN too
 
 
+def test_a_cuda_graph_replays_every_reduction_and_eager_calls_after_it_agree(cache_dir, monkeypatch):
+    """The loss's small kernels (the mean's scale, the scaled sum, the cached scale of 1) in a
+    captured graph: a scale of 1 first made during the capture is not kept for eager calls (its
+    fill runs only at replay)."""
+    torch = pytest.importorskip("torch")
+    import autosoft
+    import autosoft.functions.cross_entropy as module
+
+    logits = _logits(torch, 64, 5000, "bfloat16", seed=9, neg_inf=False)
+    target = _targets(torch, 64, 5000, -100, seed=9)
+    with torch.no_grad():
+        eager = {r: autosoft.cross_entropy(logits, target, reduction=r) for r in ("mean", "sum", "none")}
+        monkeypatch.setattr(module, "_ONES", {})
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            captured = {r: autosoft.cross_entropy(logits, target, reduction=r) for r in ("sum", "mean", "none")}
+        assert module._ONES == {}
+        graph.replay()
+        torch.cuda.synchronize()
+        for r in ("mean", "sum", "none"):
+            assert torch.equal(captured[r], eager[r]), r  # the same kernels, the same order: the same bits
+            assert torch.equal(autosoft.cross_entropy(logits, target, reduction=r), eager[r]), r
+    expected, _ = _torch_reference(torch, logits, target, -100, 0.0, 0.0, "sum")
+    _assert_close(torch, eager["sum"], expected, 1e-5, 1e-5, "sum")
+
+
 # --- linear + cross-entropy ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,bias,chunk", [("float32", False, None), ("float32", True, 128), ("float32", True, 1),

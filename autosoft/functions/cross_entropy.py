@@ -15,7 +15,8 @@ from ..dispatch import DISPATCHER
 from ..families._rows import pow2_ceil
 from ..families.base import OptionValue, Problem
 from ..families.cross_entropy import _KERNEL_BUFFERS, CROSS_ENTROPY, SCALARS
-from ._scale import scale_unless_one as _scale_unless_one
+from ._loss_kernels import mean_scale as _mean_scale, scale_unless_one as _scale_unless_one, \
+    scaled_sum as _scaled_sum
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "default_chunk"]
 
@@ -150,28 +151,44 @@ def _prepared(torch: Any, logits: Any, target: Any) -> tuple[Any, Any, bool]:
 
 
 def _scale_of(torch: Any, target: Any, ignore_index: int, reduction: str) -> Any:
-    """The one-element float32 scale of the gradient: 1 / the rows kept for a mean, else 1. No
-    host synchronisation. With no row kept it is inf, which no row's gradient meets (the kernel
-    scales only the rows kept) and which makes the mean NaN, as torch's."""
+    """The one-element float32 scale of the gradient: 1 / the rows kept for a mean (one small
+    kernel, no host synchronisation), else 1. With no row kept it is inf, which no row's gradient
+    meets (the kernel scales only the rows kept) and which makes the mean NaN, as torch's."""
     if reduction == "mean":
-        return (target != ignore_index).sum(dtype=torch.float32).reciprocal().reshape(1)
-    return torch.ones(1, dtype=torch.float32, device=target.device)
+        return _mean_scale(target.contiguous(), ignore_index)
+    return _one(torch, target.device)
+
+
+def _one(torch: Any, device: Any) -> Any:
+    """A one-element float32 tensor holding 1 on `device`, made once per device (no fill kernel
+    per call; nothing writes it). Not kept when made inside a CUDA graph capture: its fill would
+    run only when the graph replays."""
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        if not (one.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ONES[device] = one
+    return one
+
+
+_ONES: dict[Any, Any] = {}
 
 
 def _reduced(torch: Any, loss: Any, target: Any, ignore_index: int, reduction: str, scale: Any = None) -> Any:
-    """The per-row losses reduced; a mean through the gradient's scale where given (fewer kernels)."""
+    """The per-row losses reduced: with the gradient's scale given, its sum times the scale in one
+    small kernel (a mean, or a sum with a scale of 1); else (while torch.compile traces) torch's ops."""
     if reduction == "none":
         return loss
+    if scale is not None:
+        return _scaled_sum(loss, scale)
     if reduction == "sum":
         return loss.sum()
-    if scale is not None:
-        return (loss.sum() * scale).reshape(())
     return loss.sum() / (target != ignore_index).sum()  # 0 / 0 = NaN when every row is ignored, as torch
 
 
 def _scaled_(torch: Any, grad: Any, grad_output: Any) -> Any:
     """grad * grad_output, in place (grad is ours). For a scalar loss, decided on the GPU
-    (functions/_scale.py): nothing is read or written where grad_output is 1, the usual case
+    (functions/_loss_kernels.py): nothing is read or written where grad_output is 1, the usual case
     (loss.backward()), and the host never waits to know it."""
     if grad_output.numel() == 1 and grad.is_contiguous():
         return _scale_unless_one(grad, grad_output.reshape(1).to(torch.float32))
