@@ -17,7 +17,9 @@ verified, then timed side by side on random data of this exact shape) and the fa
 pick only when faster by RACE_MARGIN: close kernels swap places from one timing to the next). The
 race's winner is recorded in the kernel store, so it runs once per shape and kind of GPU, and a
 later process serves the same kernel. The race's rival of the nearest entry is the leaf's first
-valid configuration. A larger shape, a first call made while a CUDA graph is being captured, one
+valid configuration; where no configuration of the selector is valid for the shape (a regime no
+fitted shape had, such as few rows too long for any of its splits), the family's heuristic
+default races the nearest entry instead. A larger shape, a first call made while a CUDA graph is being captured, one
 when the device has no room for the race's data, and one in a process that has not loaded CuPy
 and would load it only to race (torch tensors, a warm store) are served as described above
 without a race (and without a record).
@@ -52,6 +54,7 @@ from .selector import Selector
 
 TUNED = "tuned"
 SELECTOR = "selector"
+STANDIN = "default (no selector configuration fits)"  # the rival where none of the selector's is valid
 _VERSION = re.compile(r"^(\d+)\.(\d+)$")
 # the most bytes a call may move for its shape to be raced: a race allocates its inputs and outputs
 # (several sets for a small shape, to rotate them past the L2) beside the caller's
@@ -191,15 +194,22 @@ class Dispatcher:
     def _selector_choice(self, family: Family, problem: Problem, key: CacheKey, target: Target,
                          borrowed: Choice) -> Choice | None:
         """With the family's selector fitted on this GPU, NVRTC major and digests, the choice and
-        its rival: its pick against the borrowed choice (module doc); None without a selector or
-        without a configuration of it valid here."""
+        its rival: its pick against the borrowed choice, or where no configuration of it is valid
+        here the family's default against the nearest entry (module doc); None without a selector,
+        or where the default serves already."""
         selector = find_selector(self.selectors(), key)
         if selector is None:
             return None
         first = selector_pick(selector, family, problem, target, first_only=True)
         pick = first or selector_pick(selector, family, problem, target, first_only=False)
-        if pick is None:
-            return None
+        if pick is None:  # a shape unlike every fitted one: the family's default stands in for the pick
+            if borrowed.entry is None:
+                return None  # the default serves already
+            try:
+                default = build_variant(family, problem, family.default_params(problem, target), target)
+            except UserError:
+                return None  # no valid default either: the nearest entry serves unraced
+            return replace(borrowed, rival=Choice(default, STANDIN, None, borrowed))
         index, variant = pick
         source = f"{SELECTOR} (config {index} of {len(selector.configs)})"
         if first is None and borrowed.entry is not None:  # see selector_pick: the nearest entry serves
@@ -304,8 +314,9 @@ def _race(contenders: list[Choice], family: Family, store: KernelStore) -> Choic
     times = race(family, [loaded for _, loaded in ready])
     if times is None:
         return choice  # no room on the device for the race's data: unrecorded, a later process races
-    # the selector's pick, to serve, must beat the borrowed choice by RACE_MARGIN
-    scores = [t if contender.source.startswith(SELECTOR) else t * (1.0 - RACE_MARGIN)
+    # the selector's pick (or the default standing in for it), to serve, must beat the borrowed
+    # choice by RACE_MARGIN
+    scores = [t if contender.source.startswith((SELECTOR, STANDIN)) else t * (1.0 - RACE_MARGIN)
               for t, (contender, _) in zip(times, ready)]
     fastest = ready[scores.index(min(scores))][0]
     store.record_race(choice.variant.problem, [c.variant for c in contenders], fastest.variant)

@@ -515,6 +515,35 @@ def test_the_nearest_entry_races_the_leafs_next_configuration_where_its_first_is
     assert races == [[near, SHORT]]
 
 
+@pytest.mark.parametrize("margin", [0.5, 2.0], ids=["within-the-margin", "beyond-it"])
+def test_the_default_races_the_nearest_entry_where_no_configuration_of_the_selector_is_valid(
+        loading, cache_dir, monkeypatch, margin):
+    """A shape unlike every fitted one (softmax_backward's 8 x 500000 float32: each configuration
+    too long for its registers, or its grid not resident) has no pick; the family's default stands
+    in for it, and like a pick must beat the nearest entry by RACE_MARGIN."""
+    cache = Cache(cache_dir / "kernels.sqlite")
+    near = _params("64x512", streaming=True)
+    cache.put(make_entry(_key("64x512"), params=near))
+    cache.put_selector(make_selector([LONG], key=_key("4096x8192")))  # invalid on 700 columns
+    problem = Problem("softmax", "float32", (64, 700))
+    default = get_family("softmax").default_params(problem, H200.target)
+    choice = Dispatcher().choose(problem)
+    assert choice.source == "nearest 64x512" and choice.rival.source == dispatch.STANDIN
+    assert dict(choice.rival.variant.params) == default != near
+    races = _race_times(monkeypatch, default, slower=1.0 + margin * dispatch.RACE_MARGIN)
+    served = Dispatcher().loaded(problem, 0).variant.params
+    assert races == [[near, default]]
+    assert dict(served) == (near if margin < 1 else default)
+
+
+def test_without_a_tuned_entry_the_default_serves_unraced_where_no_configuration_is_valid(
+        loading, cache_dir, monkeypatch):
+    Cache(cache_dir / "kernels.sqlite").put_selector(make_selector([LONG], key=_key("4096x8192")))
+    _no_race(monkeypatch)
+    choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))
+    assert choice.source == "default" and choice.rival is None
+
+
 def test_a_pick_failing_verification_leaves_the_race_to_the_nearest_entry_unrecorded(
         loading, cache_dir, monkeypatch):
     _store_selector(cache_dir)
