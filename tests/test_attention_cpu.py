@@ -590,6 +590,18 @@ def test_short_causal_rows_default_to_persistent_blocks_taking_tiles_from_a_queu
     assert variant.workspace_bytes == 8 and variant.name.endswith("_2cta_lpt_pers_queue")
 
 
+def test_rows_shorter_than_two_128_key_tiles_default_to_wgmma_with_64_key_tiles():
+    """Two stages of 128-key tiles load nothing on 128 keys; the default was then the mma engine's."""
+    sm90 = Target.for_arch("90")
+    for shape, flags, block_m in (("32,16,128,64", (), 64), ("32,16,128,128", (), 128), ("1,8,120,128", ("causal",), 128)):
+        problem = FAMILY.problem(shape, "bfloat16", flags)
+        p = FAMILY.default_params(problem, sm90)
+        assert (p["engine"], p["block_n"], p["block_m"]) == ("wgmma", 64, block_m), shape
+        result = compile_source(build_variant(FAMILY, problem, p, sm90).source, "90")
+        assert result.ok, result.log[-2000:]
+    assert FAMILY.default_params(FAMILY.problem("16,8,256,64", "bfloat16", ("causal",)), sm90)["block_n"] == 128
+
+
 @pytest.mark.skipif(_tool("nvcc") is None or _tool("cuobjdump") is None, reason="nvcc or cuobjdump not installed")
 def test_wgmma_sass_has_warpgroup_mma_and_tensor_memory_copies(tmp_path):
     problem = FAMILY.problem("1,8,1000,128", "bfloat16", ("causal",))

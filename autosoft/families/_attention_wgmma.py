@@ -13,6 +13,7 @@ from ..space import ParamValue
 from .base import Engine, Family, Launch, Problem, Target, TensorMap
 
 # every schedule off, O rescaled at every new max: where a point of this engine starts from
+_NARROW: dict[str, ParamValue] = {"block_n": 64}  # the key tile of rows shorter than two 128-key tiles
 _PLAIN: dict[str, ParamValue] = {"overlap": False, "pingpong": False, "blocks_per_sm": 1, "lpt": False,
                                  "persistent": False, "queue": False, "chain": False, "rescale": "eager"}
 
@@ -124,8 +125,10 @@ class WgmmaEngine(Engine):
         Among the variants timed on an H200 (bf16: 4x16x4096x128,
         8x32x2048x128 causal, 1x32x4096x128 GQA causal, 1x32x8192x64 causal, 4x16x4096x256 causal,
         16x16x512x64, 4x16x1024x128; 3x7x1000x64 fp16) these were the best or within 3 % of it,
-        and 1.6 to 2.2 times the mma kernel's default. None (the mma engine's) where no such
-        point is valid, and for decoding unless `decoding`."""
+        and 1.6 to 2.2 times the mma kernel's default. Rows of fewer keys than two 128-key tiles
+        (a pipeline of two stages deeper than its tiles loads nothing) take 64-key tiles: a 40-trial
+        tune of 32x16x128x64 chose them over the mma engine's default (BENCHMARKS.md, issue 44). None
+        (the mma engine's) where no such point is valid, and for decoding unless `decoding`."""
         b, h, n, d = problem.shape
         group = h // self.family.kv(problem)[0]
         if not self.decoding and group * n <= 64:
@@ -145,8 +148,9 @@ class WgmmaEngine(Engine):
                 # ordered longest first across heads, which 256 heads lose: 44.8 us)
                 short.update(persistent=True, queue=True, lpt=b * h <= 64)
             p = self._point({**base, **short})
-            if self.is_valid(problem, target, p):
-                return p
+            for point in (p, self._point({**p, **_NARROW})):
+                if self.is_valid(problem, target, point):
+                    return point
         wide = d == 64 and n > 96  # three consumer warpgroups
         # causal with few heads: the tail of light tiles weighs, so order longest first across heads
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
@@ -158,8 +162,9 @@ class WgmmaEngine(Engine):
                          "chain": not wide and bool(base["persistent"])})
         # where two Q buffers do not fit beside the K/V ring (D = 256), one block per tile
         for point in (p, self._point({**p, "persistent": False, "chain": False})):
-            if self.is_valid(problem, target, point):
-                return point
+            for tiles in (point, self._point({**point, **_NARROW})):
+                if self.is_valid(problem, target, tiles):
+                    return tiles
         return None
 
     def seed_params(self, problem: Problem, target: Target, default: Mapping[str, ParamValue]) -> list[dict[str, ParamValue]]:
