@@ -11,18 +11,19 @@ other choice is rebuilt from its params, compiled with the local NVRTC and verif
 shape before its first use. A selector's pick that fails to compile or verify gives way to the
 choice that would have come without the selector (nearest, then default), verified in its turn.
 
-A selector's pick is a guess from other shapes, and so is the nearest entry: where the family has
-a selector and the shape moves at most RACE_MAX_BYTES, the two race before their first use (both
-verified, then timed side by side on random data of this exact shape) and the faster serves (the
-pick only when faster by RACE_MARGIN: close kernels swap places from one timing to the next). The
+A selector's pick is a guess from other shapes, and so is the nearest entry; the family's heuristic
+default is a third guess, from rules. Where the family has a selector and the shape moves at most
+RACE_MAX_BYTES, the three race before their first use (each verified, then timed side by side on
+random data of this exact shape) and the fastest serves (the pick or the default only when faster
+than the nearest entry by RACE_MARGIN: close kernels swap places from one timing to the next). The
 race's winner is recorded in the kernel store, so it runs once per shape and kind of GPU, and a
-later process serves the same kernel. The race's rival of the nearest entry is the leaf's first
-valid configuration; where no configuration of the selector is valid for the shape (a regime no
-fitted shape had, such as few rows too long for any of its splits), the family's heuristic
-default races the nearest entry instead. A larger shape, a first call made while a CUDA graph is being captured, one
-when the device has no room for the race's data, and one in a process that has not loaded CuPy
-and would load it only to race (torch tensors, a warm store) are served as described above
-without a race (and without a record).
+later process serves the same kernel. Where the leaf's first configuration is invalid, its first
+valid one races; where no configuration of the selector is valid for the shape (a regime no fitted
+shape had, such as few rows too long for any of its splits), the default races the nearest entry
+alone. A larger shape, a first call made while a CUDA graph is being captured, one when the device
+has no room for the race's data, and one in a process that has not loaded CuPy and would load it
+only to race (torch tensors, a warm store) are served as described above without a race (and
+without a record).
 
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
@@ -54,7 +55,7 @@ from .selector import Selector
 
 TUNED = "tuned"
 SELECTOR = "selector"
-STANDIN = "default (no selector configuration fits)"  # the rival where none of the selector's is valid
+DEFAULT_RIVAL = "default (raced)"  # the family's heuristic default, racing the pick and the nearest entry
 _VERSION = re.compile(r"^(\d+)\.(\d+)$")
 # the most bytes a call may move for its shape to be raced: a race allocates its inputs and outputs
 # (several sets for a small shape, to rotate them past the L2) beside the caller's
@@ -72,7 +73,7 @@ class Choice:
     source: str
     entry: Entry | None = None  # the cache entry whose params were taken; None for a selector or the default
     fallback: "Choice | None" = None  # a selector's pick: what serves when the pick fails its check
-    rival: "Choice | None" = None  # raced against this choice on its shape before first use (module doc)
+    rivals: "tuple[Choice, ...]" = ()  # raced against this choice on its shape before first use (module doc)
 
     @property
     def trusted(self) -> bool:
@@ -194,27 +195,22 @@ class Dispatcher:
     def _selector_choice(self, family: Family, problem: Problem, key: CacheKey, target: Target,
                          borrowed: Choice) -> Choice | None:
         """With the family's selector fitted on this GPU, NVRTC major and digests, the choice and
-        its rival: its pick against the borrowed choice, or where no configuration of it is valid
-        here the family's default against the nearest entry (module doc); None without a selector,
-        or where the default serves already."""
+        its rivals (module doc): its pick, the borrowed choice and the family's default; None
+        without a selector, or where the borrowed choice would race nothing."""
         selector = find_selector(self.selectors(), key)
         if selector is None:
             return None
         first = selector_pick(selector, family, problem, target, first_only=True)
         pick = first or selector_pick(selector, family, problem, target, first_only=False)
-        if pick is None:  # a shape unlike every fitted one: the family's default stands in for the pick
-            if borrowed.entry is None:
-                return None  # the default serves already
-            try:
-                default = build_variant(family, problem, family.default_params(problem, target), target)
-            except UserError:
-                return None  # no valid default either: the nearest entry serves unraced
-            return replace(borrowed, rival=Choice(default, STANDIN, None, borrowed))
+        default = _default_rival(family, problem, target, borrowed)
+        if pick is None:  # a shape unlike every fitted one: the default races the nearest entry alone
+            return replace(borrowed, rivals=(default,)) if default is not None else None
         index, variant = pick
         source = f"{SELECTOR} (config {index} of {len(selector.configs)})"
+        others = (default,) if default is not None else ()
         if first is None and borrowed.entry is not None:  # see selector_pick: the nearest entry serves
-            return replace(borrowed, rival=Choice(variant, source, None, borrowed))
-        return Choice(variant, source, None, borrowed, borrowed)
+            return replace(borrowed, rivals=(Choice(variant, source, None, borrowed), *others))
+        return Choice(variant, source, None, borrowed, (borrowed, *others))
 
     def loaded(self, problem: Problem, device_index: int,
                load: Callable[[Variant, bytes], LoadedVariant] | None = None) -> LoadedVariant:
@@ -249,6 +245,19 @@ class Dispatcher:
             return _load_checked(choice.fallback, store, load)
 
 
+def _default_rival(family: Family, problem: Problem, target: Target, borrowed: Choice) -> Choice | None:
+    """The family's heuristic default as a rival of a selector's pick and of a borrowed entry:
+    a third guess, made from rules rather than other shapes; None where the default is what was
+    borrowed already, or is not valid here."""
+    if borrowed.entry is None:
+        return None  # the borrowed choice is the default
+    try:
+        variant = build_variant(family, problem, family.default_params(problem, target), target)
+    except UserError:
+        return None
+    return Choice(variant, DEFAULT_RIVAL, None, borrowed)
+
+
 def _cupy_loaded() -> bool:
     return "cupy" in sys.modules
 
@@ -270,14 +279,16 @@ def _give_way(choice: Choice, exc: RuntimeError, instead: Choice) -> None:
 
 
 def _raced(choice: Choice, store: KernelStore) -> Choice:
-    """The faster of the choice and its rival on the choice's shape (module doc): the recorded
+    """The fastest of the choice and its rivals on the choice's shape (module doc): the recorded
     winner of their race, else the winner of a race run now and recorded; the choice itself
-    without a rival, where no race may run (module doc), or when the race cannot finish."""
-    rival = choice.rival
-    if rival is None or rival.variant.digest == choice.variant.digest:
+    without rivals, where no race may run (module doc), or when the race cannot finish."""
+    contenders = [choice]
+    for rival in choice.rivals:  # one of each kernel: a rival may be the choice's kernel again
+        if all(rival.variant.digest != c.variant.digest for c in contenders):
+            contenders.append(rival)
+    if len(contenders) == 1:
         return choice
     problem = choice.variant.problem
-    contenders = [choice, rival]
     variants = [c.variant for c in contenders]
     winner = store.race_winner(problem, variants)
     if winner is not None:
@@ -294,9 +305,9 @@ def _raced(choice: Choice, store: KernelStore) -> Choice:
 
 
 def _race(contenders: list[Choice], family: Family, store: KernelStore) -> Choice:
-    """_raced's race of [choice, rival]: both compiled and verified (one that fails is out), timed
-    side by side, the winner recorded."""
-    choice, rival = contenders
+    """_raced's race of [choice, *rivals]: each compiled and verified (one that fails is out),
+    timed side by side, the winner recorded."""
+    choice = contenders[0]
     ready: list[tuple[Choice, LoadedVariant]] = []
     for contender in contenders:
         try:
@@ -306,7 +317,7 @@ def _race(contenders: list[Choice], family: Family, store: KernelStore) -> Choic
                 store.mark_verified(contender.variant)
         except RuntimeError as exc:
             if contender is choice:
-                _give_way(choice, exc, rival)
+                _give_way(choice, exc, contenders[1])
             continue  # out of the race
         ready.append((contender, LoadedVariant(contender.variant, cubin)))
     if len(ready) < 2:
@@ -314,9 +325,8 @@ def _race(contenders: list[Choice], family: Family, store: KernelStore) -> Choic
     times = race(family, [loaded for _, loaded in ready])
     if times is None:
         return choice  # no room on the device for the race's data: unrecorded, a later process races
-    # the selector's pick (or the default standing in for it), to serve, must beat the borrowed
-    # choice by RACE_MARGIN
-    scores = [t if contender.source.startswith((SELECTOR, STANDIN)) else t * (1.0 - RACE_MARGIN)
+    # the selector's pick and the default, to serve, must beat the borrowed choice by RACE_MARGIN
+    scores = [t if contender.source.startswith((SELECTOR, DEFAULT_RIVAL)) else t * (1.0 - RACE_MARGIN)
               for t, (contender, _) in zip(times, ready)]
     fastest = ready[scores.index(min(scores))][0]
     store.record_race(choice.variant.problem, [c.variant for c in contenders], fastest.variant)

@@ -11,9 +11,8 @@ and warm-started tunes against cold ones, on the held-out shapes of benchmarks/h
 For each held-out shape (the slice --shapes i:j of the family's list):
 (a) reference: a cold tune (no warm start) of --trials trials into <out stem>-reference.sqlite, never
     into --cache, whose per-trial times are kept;
-(b) the selector's pick (or, where no configuration of the selector fits the shape, the family's
-    default standing in for it) and the nearest tuned entry (what dispatch served before
-    selectors) are verified and timed on the shape beside the reference's winner, side by side;
+(b) the selector's pick, the family's default and the nearest tuned entry (what dispatch served
+    before selectors) are verified and timed on the shape beside the reference's winner, side by side;
     each ratio is the reference's time over the other's (1.0: as fast as the tune). What dispatch
     serves is asked of the dispatcher (the winner of its race, dispatch.py), in this process, before;
 (c) with --warm-start: a tune of the same trials that starts from what --cache knows (a copy of
@@ -44,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autosoft.cache import Cache  # noqa: E402
-from autosoft.dispatch import SELECTOR, STANDIN, Dispatcher, cache_key, find_selector  # noqa: E402
+from autosoft.dispatch import DEFAULT_RIVAL, SELECTOR, Dispatcher, cache_key, find_selector  # noqa: E402
 from autosoft.families import get_family  # noqa: E402
 from autosoft.families.base import Family, Problem, Variant, build_variant  # noqa: E402
 from autosoft.runners import GpuRunner, Runner  # noqa: E402
@@ -112,14 +111,15 @@ def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner
         dispatcher = Dispatcher()
         dispatcher.load_cache(args.cache)
         choice = dispatcher.choose(problem)
-        standin = choice.rival if choice.rival is not None and choice.rival.source == STANDIN else None
-        pick, nearest = (choice, choice.fallback) if choice.source.startswith(SELECTOR) else (
-            None if standin else choice.rival, choice)
+        everyone = (choice, *choice.rivals)
+        pick = next((c for c in everyone if c.source.startswith(SELECTOR)), None)
+        default = next((c for c in everyone if c.source == DEFAULT_RIVAL), None)
+        nearest = choice.fallback if choice.source.startswith(SELECTOR) else choice
         variants = {"reference": build_variant(family, problem, ref["params"], device.target), "nearest": nearest.variant}
         if pick is not None:
             variants["selector"] = pick.variant
-        if standin is not None:  # no configuration of the selector fits: the default races the nearest entry
-            variants["default"] = standin.variant
+        if default is not None:  # the family's default raced too
+            variants["default"] = default.variant
         served = dispatcher.loaded(problem, runner.device.index).variant  # after its race, where it has one
         timeout_s = Watchdog().limit(ref["time_us"], evaluation_launches(family))
         timed = timed_side_by_side(family, runner, variants, timeout_s)
@@ -147,10 +147,10 @@ def run_shape(family: Family, problem: Problem, args: argparse.Namespace, runner
 
 
 def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
-    """Ratios to the tune (1.0: as fast): the selector's picks, the nearest entries, and what
-    dispatch served (the winner of its race; in records of before the race, the selector's pick
+    """Ratios to the tune (1.0: as fast): the selector's picks, the nearest entries, the defaults
+    where they raced, and what dispatch served (the winner of its race; in records of before the race, the selector's pick
     where it made one, else the nearest entry)."""
-    sel, near, served, served_vs_near, saved = [], [], [], [], []
+    sel, near, dflt, served, served_vs_near, saved = [], [], [], [], [], []
     trials: list[tuple[int, int]] = []  # (cold, warm) trials to within 1 % of the best, per shape
     for name, r in records.items():
         d = r.get("dispatch")
@@ -160,6 +160,8 @@ def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
                      for k in ("selector", "nearest", "default")}
             if "selector" in d:
                 sel.append((speed["selector"], name))
+            if "default" in d:
+                dflt.append((speed["default"], name))
             near.append((speed["nearest"], name))
             chosen = speed[d["served"]] if "served" in d else speed["selector"] if "selector" in d else speed["nearest"]
             served.append((chosen, name))
@@ -176,6 +178,7 @@ def summary(family: str, records: dict[str, Any]) -> dict[str, Any]:
     return {"family": family, "shapes": len(records),
             "selector_geomean": geomean(sel), "selector_worst": min(sel, default=None),
             "nearest_geomean": geomean(near), "nearest_worst": min(near, default=None),
+            "default_geomean": geomean(dflt), "default_worst": min(dflt, default=None),
             "served_geomean": geomean(served), "served_worst": min(served, default=None),
             "served_vs_nearest_worst": min(served_vs_near, default=None),
             "shapes_without_selector_pick": len(near) - len(sel),

@@ -50,13 +50,14 @@ def test_where_dispatch_raced_the_winner_of_its_race_is_what_served():
     assert s["served_vs_nearest_worst"] == (pytest.approx(1.0), "b")
 
 
-def test_where_the_default_stood_in_for_the_pick_and_won_its_race_it_is_what_served():
+def test_where_the_default_won_its_race_it_is_what_served():
     default = _record(10.0, 40.0, served="default")  # no configuration of the selector fitted the shape
     default["dispatch"]["default"] = {"time_us": 10.5}
     s = bench.summary("softmax", {"a": _record(10.0, 10.0, selector=10.0, served="selector"), "b": default})
     assert s["served_worst"] == (pytest.approx(10 / 10.5), "b")
     assert s["served_vs_nearest_worst"] == (pytest.approx(1.0), "a")
     assert s["shapes_without_selector_pick"] == 1 and s["selector_worst"] == (pytest.approx(1.0), "a")
+    assert s["default_worst"] == (pytest.approx(10 / 10.5), "b") and s["default_geomean"] == pytest.approx(10 / 10.5)
 
 
 def test_files_of_one_process_per_gpu_merge_into_one_summary():

@@ -385,7 +385,9 @@ def test_the_selector_serves_an_untuned_shape_before_the_nearest_entry(device, c
     choice = Dispatcher().choose(Problem("softmax", "float32", (4096, 20000)))
     assert choice.source == "selector (config 1 of 2)" and not choice.trusted
     assert dict(choice.variant.params) == LONG
-    assert choice.fallback.source == "nearest 4096x8192" and choice.rival == choice.fallback
+    default = get_family("softmax").default_params(Problem("softmax", "float32", (4096, 20000)), H200.target)
+    assert choice.fallback.source == "nearest 4096x8192" and choice.rivals[0] == choice.fallback
+    assert choice.rivals[1].source == dispatch.DEFAULT_RIVAL and dict(choice.rivals[1].variant.params) == default
     short = Dispatcher().choose(Problem("softmax", "float32", (300, 700)))
     assert dict(short.variant.params) == SHORT
 
@@ -413,7 +415,8 @@ def test_the_nearest_entry_serves_where_the_leafs_first_configuration_is_invalid
     choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))  # LONG is invalid on 700
     assert choice.source == "nearest 64x512" and dict(choice.variant.params) == near
     assert choice.fallback is None
-    assert choice.rival.source == "selector (config 1 of 2)" and dict(choice.rival.variant.params) == SHORT
+    assert choice.rivals[0].source == "selector (config 1 of 2)" and dict(choice.rivals[0].variant.params) == SHORT
+    assert [r.source for r in choice.rivals[1:]] == [dispatch.DEFAULT_RIVAL]
 
 
 @pytest.mark.parametrize("field, value", [("gpu_name", "NVIDIA A100"), ("cuda_version", "12.8"),
@@ -447,17 +450,19 @@ def test_a_selector_pick_that_fails_verification_gives_way_to_the_nearest_entry(
         return "normal inputs: 3 elements wrong" if loaded.variant.params["storage"] == "reread" else None
 
     monkeypatch.setattr(dispatch, "verify", wrong_for_long)
+    big = Problem("softmax", "float32", (16384, 20000))  # moves more than RACE_MAX_BYTES: not raced
     with pytest.warns(autosoft.errors.CacheWarning, match="selector \\(config 1 of 2\\) .* failed .* using nearest 4096x8192"):
-        loaded = Dispatcher().loaded(Problem("softmax", "float32", (4096, 20000)), 0)
+        loaded = Dispatcher().loaded(big, 0)
     nearest = _params("4096x8192", streaming=True)
     assert dict(loaded.variant.params) == nearest
     assert checked == [LONG, nearest], "the nearest entry is verified too before it serves"
 
 
-# --- the race: the selector's pick against the nearest entry, on the shape, once -------------------
+# --- the race: the selector's pick, the nearest entry and the default, on the shape, once ----------
 
 NEAREST = _params("4096x8192", streaming=True)  # the entry _store_selector puts beside the selector
 SMALL = Problem("softmax", "float32", (64, 20000))  # few bytes: raced
+DEFAULT = get_family("softmax").default_params(SMALL, H200.target)  # the family's default on SMALL
 
 
 def _race_times(monkeypatch, fastest: dict, slower: float = 2.0) -> list:
@@ -479,20 +484,22 @@ def _no_race(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "race", forbidden)
 
 
-@pytest.mark.parametrize("fastest", [NEAREST, LONG], ids=["nearest", "selector"])
-def test_the_pick_and_the_nearest_entry_race_once_and_the_faster_serves(loading, cache_dir, monkeypatch, fastest):
+@pytest.mark.parametrize("fastest", [NEAREST, LONG, DEFAULT], ids=["nearest", "selector", "default"])
+def test_the_pick_the_nearest_entry_and_the_default_race_once_and_the_fastest_serves(
+        loading, cache_dir, monkeypatch, fastest):
     _store_selector(cache_dir)
+    assert len({str(sorted(p.items())) for p in (NEAREST, LONG, DEFAULT)}) == 3
     races = _race_times(monkeypatch, fastest)
     assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == fastest
-    assert races == [[LONG, NEAREST]] and len(loading["verify"]) == 2, "both verified, then timed"
+    assert races == [[LONG, NEAREST, DEFAULT]] and len(loading["verify"]) == 3, "each verified, then timed"
     _fresh_process(monkeypatch)
     _no_race(monkeypatch)
     assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == fastest, "the recorded winner serves"
-    assert len(loading["verify"]) == 2 and len(loading["compile"]) == 2
+    assert len(loading["verify"]) == 3 and len(loading["compile"]) == 3
     races = _race_times(monkeypatch, NEAREST)
     assert dict(Dispatcher().loaded(Problem("softmax", "float32", (32, 20000)), 0).variant.params) == NEAREST
     assert len(races) == 1, "another row count races again, on the kernels already compiled and verified"
-    assert len(loading["verify"]) == 2 and len(loading["compile"]) == 2
+    assert len(loading["verify"]) == 3 and len(loading["compile"]) == 3
 
 
 def test_a_shape_moving_more_than_the_race_bound_is_served_the_pick_unraced(loading, cache_dir, monkeypatch):
@@ -511,16 +518,17 @@ def test_the_nearest_entry_races_the_leafs_next_configuration_where_its_first_is
     cache.put(make_entry(_key("64x512"), params=near))
     cache.put_selector(make_selector([LONG, SHORT], key=_key("4096x8192")))  # one leaf: LONG first, invalid on 700
     races = _race_times(monkeypatch, SHORT)
-    assert dict(Dispatcher().loaded(Problem("softmax", "float32", (64, 700)), 0).variant.params) == SHORT
-    assert races == [[near, SHORT]]
+    problem = Problem("softmax", "float32", (64, 700))
+    assert dict(Dispatcher().loaded(problem, 0).variant.params) == SHORT
+    assert races == [[near, SHORT, get_family("softmax").default_params(problem, H200.target)]]
 
 
 @pytest.mark.parametrize("margin", [0.5, 2.0], ids=["within-the-margin", "beyond-it"])
 def test_the_default_races_the_nearest_entry_where_no_configuration_of_the_selector_is_valid(
         loading, cache_dir, monkeypatch, margin):
     """A shape unlike every fitted one (softmax_backward's 8 x 500000 float32: each configuration
-    too long for its registers, or its grid not resident) has no pick; the family's default stands
-    in for it, and like a pick must beat the nearest entry by RACE_MARGIN."""
+    too long for its registers, or its grid not resident) has no pick; the family's default races
+    the nearest entry alone, and like a pick must beat it by RACE_MARGIN."""
     cache = Cache(cache_dir / "kernels.sqlite")
     near = _params("64x512", streaming=True)
     cache.put(make_entry(_key("64x512"), params=near))
@@ -528,8 +536,8 @@ def test_the_default_races_the_nearest_entry_where_no_configuration_of_the_selec
     problem = Problem("softmax", "float32", (64, 700))
     default = get_family("softmax").default_params(problem, H200.target)
     choice = Dispatcher().choose(problem)
-    assert choice.source == "nearest 64x512" and choice.rival.source == dispatch.STANDIN
-    assert dict(choice.rival.variant.params) == default != near
+    assert choice.source == "nearest 64x512" and [r.source for r in choice.rivals] == [dispatch.DEFAULT_RIVAL]
+    assert dict(choice.rivals[0].variant.params) == default != near
     races = _race_times(monkeypatch, default, slower=1.0 + margin * dispatch.RACE_MARGIN)
     served = Dispatcher().loaded(problem, 0).variant.params
     assert races == [[near, default]]
@@ -541,18 +549,31 @@ def test_without_a_tuned_entry_the_default_serves_unraced_where_no_configuration
     Cache(cache_dir / "kernels.sqlite").put_selector(make_selector([LONG], key=_key("4096x8192")))
     _no_race(monkeypatch)
     choice = Dispatcher().choose(Problem("softmax", "float32", (64, 700)))
-    assert choice.source == "default" and choice.rival is None
+    assert choice.source == "default" and choice.rivals == ()
 
 
-def test_a_pick_failing_verification_leaves_the_race_to_the_nearest_entry_unrecorded(
+def test_a_pick_failing_verification_leaves_the_race_to_the_nearest_entry_and_the_default(
         loading, cache_dir, monkeypatch):
     _store_selector(cache_dir)
-    _no_race(monkeypatch)
+    races = _race_times(monkeypatch, NEAREST)
     monkeypatch.setattr(dispatch, "verify", lambda family, loaded, seed: (
         "normal inputs: 3 elements wrong" if loaded.variant.params["storage"] == "reread" else None))
     with pytest.warns(autosoft.errors.CacheWarning, match="selector \\(config 1 of 2\\) .* failed .* using nearest"):
         loaded = Dispatcher().loaded(SMALL, 0)
-    assert dict(loaded.variant.params) == NEAREST
+    assert dict(loaded.variant.params) == NEAREST and races == [[NEAREST, DEFAULT]]
+
+
+def test_a_pick_failing_verification_with_no_other_rival_serves_the_nearest_entry_unraced(
+        loading, cache_dir, monkeypatch):
+    cache = Cache(cache_dir / "kernels.sqlite")
+    cache.put(make_entry(_key("4096x8192"), params=DEFAULT))  # the nearest entry is the default itself
+    cache.put_selector(make_selector([LONG], key=_key("4096x8192")))
+    _no_race(monkeypatch)
+    monkeypatch.setattr(dispatch, "verify", lambda family, loaded, seed: (
+        "normal inputs: 3 elements wrong" if loaded.variant.params["storage"] == "reread" else None))
+    with pytest.warns(autosoft.errors.CacheWarning, match="selector \\(config 0 of 1\\) .* failed .* using nearest"):
+        loaded = Dispatcher().loaded(SMALL, 0)
+    assert dict(loaded.variant.params) == DEFAULT
     assert not list((cache_dir / "kernels").glob("*.race")), "no race ran, so none is recorded"
 
 
