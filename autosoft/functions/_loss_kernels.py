@@ -1,6 +1,6 @@
 """The small fixed kernels around the cross-entropy kernel, each one launch where torch's
-composition took two or three (BENCHMARKS.md, issue 43: at 4096 tokens the tiny kernels of a
-step were a tenth of it):
+composition took two or three (at a few thousand tokens a step's tiny kernels weigh: BENCHMARKS.md,
+issue 43):
 
 - mean_scale: the gradient's scale of a mean, 1 / the rows whose target is not ignore_index
   (torch: ne, sum, reciprocal);
