@@ -139,7 +139,8 @@ def _launch(device: int, kernel: str, blocks: int, threads: int, stream: int, *a
                                                                   ctypes.addressof(params), None))
 
 
-def _stream(torch: Any, device: int) -> int:
+def current_stream(torch: Any, device: int) -> int:
+    """torch's current stream on `device`, as the raw handle (no Stream object built)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
@@ -158,7 +159,7 @@ def scale_unless_one(x: Any, factor: Any) -> Any:
     kernel = f"scale_unless_one_{dtype}"
     _function(device, kernel)
     blocks = min(_BLOCKS[device], -(-x.numel() // THREADS))
-    _launch(device, kernel, blocks, THREADS, _stream(torch, device), ctypes.c_void_p(x.data_ptr()),
+    _launch(device, kernel, blocks, THREADS, current_stream(torch, device), ctypes.c_void_p(x.data_ptr()),
             ctypes.c_void_p(factor.data_ptr()), ctypes.c_longlong(x.numel()))
     return x
 
@@ -172,7 +173,7 @@ def mean_scale(target: Any, ignore_index: int) -> Any:
         raise ValueError("mean_scale: target must be a contiguous int64 or int32 tensor")
     scale = torch.empty(1, dtype=torch.float32, device=target.device)
     device = target.get_device()
-    _launch(device, kernel, 1, REDUCE_THREADS, _stream(torch, device), ctypes.c_void_p(target.data_ptr()),
+    _launch(device, kernel, 1, REDUCE_THREADS, current_stream(torch, device), ctypes.c_void_p(target.data_ptr()),
             ctypes.c_longlong(target.numel()), ctypes.c_longlong(ignore_index), ctypes.c_void_p(scale.data_ptr()))
     return scale
 
@@ -186,6 +187,6 @@ def scaled_sum(loss: Any, scale: Any) -> Any:
         raise ValueError("scaled_sum: loss must be contiguous float32 and scale one float32 on its device")
     out = torch.empty((), dtype=torch.float32, device=loss.device)
     device = loss.get_device()
-    _launch(device, "scaled_sum", 1, REDUCE_THREADS, _stream(torch, device), ctypes.c_void_p(loss.data_ptr()),
+    _launch(device, "scaled_sum", 1, REDUCE_THREADS, current_stream(torch, device), ctypes.c_void_p(loss.data_ptr()),
             ctypes.c_longlong(loss.numel()), ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(out.data_ptr()))
     return out

@@ -15,8 +15,8 @@ from ..dispatch import DISPATCHER
 from ..families._rows import pow2_ceil
 from ..families.base import OptionValue, Problem
 from ..families.cross_entropy import _KERNEL_BUFFERS, CROSS_ENTROPY, SCALARS
-from ._loss_kernels import mean_scale as _mean_scale, scale_unless_one as _scale_unless_one, \
-    scaled_sum as _scaled_sum
+from ._loss_kernels import current_stream as _stream, mean_scale as _mean_scale, \
+    scale_unless_one as _scale_unless_one, scaled_sum as _scaled_sum
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "default_chunk"]
 
@@ -120,12 +120,6 @@ def _forward(logits2d: Any, target1d: Any, scale: Any, ignore_index: int, eps: f
            loss.data_ptr(),
            lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z), _stream(torch, device))
     return loss, lse, grad
-
-
-def _stream(torch: Any, device: int) -> int:
-    """torch's current stream on `device`, as the raw handle (no Stream object built)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 TORCH_DTYPES: dict[Any, str] = {}
