@@ -87,14 +87,15 @@ def test_defaults_are_valid_for_every_benchmark_vocabulary(arch):
 
 def test_every_strategy_is_reachable_for_long_vocabularies():
     """32000 bf16 fits one block's registers or shared memory; 128256 bf16 (250 KiB) fits neither,
-    and is held over a cluster or a grid of blocks, or streamed twice."""
+    and is held over a cluster or a grid of blocks, split between one block's registers and shared
+    memory, or streamed twice."""
     kinds = {(p["storage"], p["combine"]) for p in _valid(FAMILY.problem("8x32000", "bfloat16"))}
-    assert {("registers", "none"), ("smem", "none"), ("reread", "none")} <= kinds
+    assert {("registers", "none"), ("smem", "none"), ("hybrid", "none"), ("reread", "none")} <= kinds
     long = FAMILY.problem("8x128256", "bfloat16")
     kinds = {(p["storage"], p["combine"]) for p in _valid(long)}
     assert ("registers", "none") not in kinds and ("smem", "none") not in kinds
-    assert {("reread", "none"), ("registers", "cluster"), ("smem", "cluster"), ("registers", "grid"),
-            ("smem", "grid")} <= kinds
+    assert {("reread", "none"), ("hybrid", "none"), ("registers", "cluster"), ("smem", "cluster"),
+            ("hybrid", "cluster"), ("registers", "grid"), ("smem", "grid")} <= kinds
     assert all(p["combine"] != "cluster" for p in _valid(long, "80"))
 
 
@@ -105,8 +106,15 @@ def test_constraints_reject_what_cannot_work():
     for bad in ({"split": 1, "combine": "none", "storage": "registers"},  # 16 KB per thread
                 {"split": 2, "combine": "none"}, {"storage": "smem", "vec": 1},
                 {"combine": "grid", "split": 2},  # 8192 blocks cannot all be resident
-                {"storage": "registers", "unroll": 2}):
+                {"storage": "registers", "unroll": 2},
+                {"storage": "hybrid", "held": 0}, {"storage": "registers", "held": 4},  # held: hybrid's alone
+                {"storage": "hybrid", "held": 16, "threads": 1024},  # 128 bytes a thread at most at 1024
+                {"storage": "hybrid", "held": 2, "vec": 1}):  # cp.async copies 4, 8 or 16 bytes
         assert not FAMILY.is_valid(problem, target, {**base, **bad}), bad
+    short = FAMILY.problem("8x32000", "bfloat16")  # 4000 vectors: 512 threads x 8 would hold them all
+    whole = {**FAMILY.default_params(short, target), "storage": "hybrid", "vec": 8, "threads": 512}
+    assert FAMILY.is_valid(short, target, {**whole, "held": 4})
+    assert not FAMILY.is_valid(short, target, {**whole, "held": 8})
     with pytest.raises(UserError, match="variant invalid"):
         build_variant(FAMILY, problem, {**base, "split": 2, "combine": "none"}, target)
 
@@ -136,9 +144,10 @@ def test_every_strategy_renders_and_compiles(arch):
     target = Target.for_arch(arch)
     picks = _one_per_strategy(arch)
     kinds = {(p["storage"], p["combine"]) for _, p in picks}
-    assert {("registers", "none"), ("smem", "none"), ("reread", "none"), ("registers", "grid")} <= kinds
+    assert {("registers", "none"), ("smem", "none"), ("hybrid", "none"), ("reread", "none"),
+            ("registers", "grid")} <= kinds
     if arch == "90":
-        assert {("registers", "cluster"), ("smem", "cluster")} <= kinds
+        assert {("registers", "cluster"), ("smem", "cluster"), ("hybrid", "cluster")} <= kinds
     for problem, params in picks:
         variant = build_variant(FAMILY, problem, params, target)
         assert "{{" not in variant.source and "{%" not in variant.source

@@ -106,6 +106,8 @@ class CrossEntropyFamily(RowsFamily):
     def variant_name(self, problem: Problem, params: Mapping[str, ParamValue]) -> str:
         p = params
         name = f"cross_entropy_{_SHORT[problem.dtype]}_t{p['threads']}_v{p['vec']}_u{p['unroll']}_{p['storage']}"
+        if p["storage"] == "hybrid":
+            name += str(p["held"])
         if p["split"] != 1:
             name += f"_{p['combine']}{p['split']}"
         if p["streaming"]:
@@ -153,7 +155,7 @@ class CrossEntropyFamily(RowsFamily):
         vec = min(16 // ITEMSIZE[problem.dtype], pow2_floor(n))
         vectors = -(-n // vec)
         p: dict[str, ParamValue] = {"threads": 128, "vec": vec, "unroll": 1, "storage": "registers",
-                                    "split": 1, "combine": "none", "streaming": False}
+                                    "held": 0, "split": 1, "combine": "none", "streaming": False}
         candidates = [{**p, "threads": min(1024, max(128, pow2_ceil(-(-vectors // per))))} for per in (8, 4)]
         if problem.option("loss_only"):  # nothing to hold for a gradient: one streamed pass
             candidates = [{**p, "storage": "reread", "threads": t, "unroll": u} for t in (512, 256, 128)
@@ -200,10 +202,13 @@ class CrossEntropyFamily(RowsFamily):
                     clusters.append({"split": split, "combine": "cluster", "threads": threads, "storage": storage,
                                      "unroll": 1})
         long_row = base["combine"] == "cluster"
-        if long_row:  # staged over 8 or 16 blocks of few threads, first
+        if long_row:  # staged over 8 or 16 blocks of few threads, first, then partly held in registers
             vecs = (base["vec"], int(base["vec"]) // 2) if ITEMSIZE[problem.dtype] == 2 else (base["vec"],)
-            clusters = [{"split": split, "combine": "cluster", "threads": threads, "storage": "smem", "unroll": 1,
-                         "vec": vec} for vec in vecs for split in (8, 16) for threads in (128, 256)] + clusters
+            staged = [{"split": split, "combine": "cluster", "threads": threads, "storage": "smem", "unroll": 1,
+                       "vec": vec} for vec in vecs for split in (8, 16) for threads in (128, 256)]
+            hybrid = [{"split": split, "combine": "cluster", "threads": threads, "storage": "hybrid", "held": held,
+                       "unroll": 1} for split in (16, 8) for threads in (256, 512) for held in (4, 8)]
+            clusters = staged + hybrid + clusters
         grids: list[dict[str, ParamValue]] = []
         for split in (2, 4, 8, 16, 32, 64):  # the space keeps those whose grid is resident at once
             for threads in (512, 1024):
