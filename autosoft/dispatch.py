@@ -25,6 +25,11 @@ has no room for the race's data, and one in a process that has not loaded CuPy a
 only to race (torch tensors, a warm store) are served as described above without a race (and
 without a record).
 
+A check syncs the device, which would end a CUDA graph capture: a first call made while one is
+captured is served the first of the choice and its rivals already verified on this kind of GPU
+(another row count of the same row length shares the kernel), and where none is, fails with a
+UserError that asks for one call before the capture (the warm-up torch.cuda.graph asks for).
+
 Compiled kernels live in the kernel store (kernel_store.py), keyed by variant digest, so a
 fresh process with a warm store loads without NVRTC, and a verification is recorded there per
 digest: every row count M of one softmax row length shares one compile and one verification.
@@ -294,7 +299,9 @@ def _raced(choice: Choice, store: KernelStore) -> Choice:
     if winner is not None:
         return next(c for c in contenders if c.variant.digest == winner)
     family = get_family(problem.family)
-    if family.bytes_moved(problem) > RACE_MAX_BYTES or _stream_capturing():
+    if _stream_capturing():  # no check may run: a kernel already verified serves (module doc)
+        return next((c for c in contenders if c.trusted or store.is_verified(c.variant)), choice)
+    if family.bytes_moved(problem) > RACE_MAX_BYTES:
         return choice  # not recorded: a later process, not capturing, races
     if not _cupy_loaded() and all(store.is_verified(v) for v in variants):
         return choice  # torch tensors and a warm store: CuPy, which a race times with, stays unloaded
@@ -340,6 +347,11 @@ def _load_checked(choice: Choice, store: KernelStore,
     variant = choice.variant
     cubin = _compile_or_fail(variant, store)
     if not choice.trusted and not store.is_verified(variant):
+        if _stream_capturing():
+            problem = variant.problem
+            raise UserError(f"autosoft: {problem.family} {problem.shape_text} {problem.dtype} is first called inside a "
+                            f"CUDA graph capture, and its kernel ({choice.source}) is not yet verified on this GPU "
+                            f"(the check would end the capture): call it once before capturing")
         _verify_on_shape(variant, store)
         store.mark_verified(variant)
     return (load or LoadedVariant)(variant, cubin)

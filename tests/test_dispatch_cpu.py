@@ -577,12 +577,43 @@ def test_a_pick_failing_verification_with_no_other_rival_serves_the_nearest_entr
     assert not list((cache_dir / "kernels").glob("*.race")), "no race ran, so none is recorded"
 
 
-def test_a_first_call_inside_a_cuda_graph_capture_is_served_the_pick_unraced(loading, cache_dir, monkeypatch):
+def test_a_first_call_inside_a_cuda_graph_capture_is_served_the_verified_pick_unraced(
+        loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    _race_times(monkeypatch, NEAREST)
+    Dispatcher().loaded(Problem("softmax", "float32", (32, 20000)), 0)  # outside the capture: all three checked
+    _no_race(monkeypatch)
+    monkeypatch.setattr(dispatch, "_stream_capturing", lambda: True)
+    verified, races = len(loading["verify"]), sorted((cache_dir / "kernels").glob("*.race"))
+    assert len(races) == 1
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG, "the pick: another row count's kernel"
+    assert len(loading["verify"]) == verified, "no check inside the capture"
+    assert sorted((cache_dir / "kernels").glob("*.race")) == races, "a later process, not capturing, races"
+
+
+def test_inside_a_capture_an_unverified_pick_gives_way_to_a_verified_rival(loading, cache_dir, monkeypatch):
+    _store_selector(cache_dir)
+    dispatcher = Dispatcher()
+    choice = dispatcher.choose(SMALL)
+    nearest = next(rival for rival in choice.rivals if rival.source.startswith("nearest"))
+    dispatcher.store.mark_verified(nearest.variant)
+    _no_race(monkeypatch)
+    monkeypatch.setattr(dispatch, "_stream_capturing", lambda: True)
+    assert dict(dispatcher.loaded(SMALL, 0).variant.params) == NEAREST
+    assert loading["verify"] == [], "nothing checked inside the capture"
+
+
+def test_inside_a_capture_a_kernel_never_verified_fails_with_the_remedy(loading, cache_dir, monkeypatch):
     _store_selector(cache_dir)
     _no_race(monkeypatch)
     monkeypatch.setattr(dispatch, "_stream_capturing", lambda: True)
-    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == LONG
-    assert not list((cache_dir / "kernels").glob("*.race")), "a later process, not capturing, races"
+    with pytest.raises(UserError, match="softmax 64x20000 float32 is first called inside a CUDA graph capture.*"
+                                        "call it once before capturing"):
+        Dispatcher().loaded(SMALL, 0)
+    assert loading["verify"] == [], "the check, which would end the capture, did not run"
+    monkeypatch.setattr(dispatch, "_stream_capturing", lambda: False)
+    _race_times(monkeypatch, NEAREST)
+    assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == NEAREST, "after the capture, the race runs"
 
 
 def test_the_pick_must_beat_the_nearest_entry_by_the_margin_to_serve(loading, cache_dir, monkeypatch):
