@@ -121,8 +121,10 @@ def build(force: bool = False, verbose: bool = False) -> Path:
     child = subprocess.run([sys.executable, "-c", _BUILD, path.stem, str(SOURCE), str(folder), str(int(verbose))],
                            stdout=None if verbose else subprocess.PIPE, stderr=None if verbose else subprocess.PIPE,
                            text=True)
-    if child.returncode == 0 and not built.exists() and path.exists() and not force:
-        return path  # another process built it while this one waited for the build's lock, and moved it into place
+    if not force and path.exists() and (child.returncode != 0 or not built.exists()):
+        # another process built it while this one waited for the build's lock, and moved it into
+        # place: this one's child found nothing to build, or lost the library it was loading
+        return path
     if child.returncode != 0 or not built.exists():
         lines = [line.strip() for line in (child.stderr or "").splitlines() if line.strip()]
         reason = lines[-1] if lines else f"exit status {child.returncode}"

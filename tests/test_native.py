@@ -157,6 +157,28 @@ def test_two_processes_building_at_once_both_load_a_whole_library(built_at_once)
     assert programs[0][1] == programs[1][1] and programs[0][1].strip() == str(built[0])
 
 
+def test_a_build_whose_library_another_process_moved_into_place_meanwhile_returns_it(tmp_path, monkeypatch):
+    """The child waited for the other process's build lock, found the library built, and was
+    loading it from the staging folder when the other process moved it into place: the child
+    fails (ImportError), but the library is there, whole."""
+    monkeypatch.setenv("AUTOSOFT_CACHE_DIR", str(tmp_path))
+    path = native.library_path()
+
+    def other_process_wins(*args, **kwargs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"the other process's library")
+        return subprocess.CompletedProcess(args[0], 1, "", f"ImportError: {path.parent}/staging/{path.name}: "
+                                                           "cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(native.subprocess, "run", other_process_wins)
+    assert native.build() == path and path.read_bytes() == b"the other process's library"
+    path.unlink()
+    monkeypatch.setattr(native.subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(
+        args[0], 1, "", "error: native_ops.cpp:1: broken"))
+    with pytest.raises(native.NativeBuildError, match="building native_ops.cpp failed .*: error: native_ops.cpp:1: broken"):
+        native.build()
+
+
 # --- the public functions' compiled first step (softmax_direct, log_softmax_direct) ---------------
 
 def test_the_public_entries_take_no_call_they_cannot_launch(module):
