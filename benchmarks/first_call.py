@@ -24,13 +24,16 @@ autosoft process counts its calls of autosoft.compile.compile_source (the only w
 and reports the kernel store's counters; a warm-store process that compiled anything makes the
 script say so and exit 1. A second call is timed too (the steady state), and the output is
 checked against torch.softmax in float32. The default cache folder of the children is an
-empty temporary one, so only --cache's entries are used.
+empty temporary one, so only --cache's entries are used; with --native it holds the extension
+`autosoft native` builds (built first where missing), which a user who ran that command has, and
+each process reports whether its first call loaded it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--reps", type=int, default=7, help="fresh processes per mode (default 7)")
     parser.add_argument("--out", type=Path, default=None, help="write the samples and medians as JSON here")
+    parser.add_argument("--native", action="store_true",
+                        help="give the autosoft processes the extension `autosoft native` builds (built here first "
+                             "where missing), as a user who ran it has; each process reports whether it loaded it")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # internal: one measurement
     return parser.parse_args(argv)
 
@@ -100,6 +106,9 @@ def child(args: argparse.Namespace) -> None:
     result["device"] = torch.cuda.get_device_name(x.device)
     result["cupy_imported"] = "cupy" in sys.modules
     if args.child != "torch":
+        from autosoft import native
+
+        result["native_loaded"] = native.direct_enabled()
         from dataclasses import asdict
 
         from autosoft.compile import nvrtc_version
@@ -140,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="autosoft-first-call-") as tmp:
         root = Path(tmp)
-        cache_dir = root / "empty-cache-dir"  # never created: no default cache entries
+        cache_dir = root / "empty-cache-dir"  # no default cache entries (with --native, the extension alone)
+        if args.native:
+            from autosoft import native
+
+            built = native.build()  # in this process's cache folder, as `autosoft native` builds it
+            (cache_dir / "native" / built.parent.name).mkdir(parents=True)
+            shutil.copy2(built, cache_dir / "native" / built.parent.name / built.name)
         warm_store = root / "warm-store"
         prime = run_child(args, "warm", warm_store, cache_dir)  # fills the warm store; not counted
         cubins = sorted(p.name for p in warm_store.glob("*.cubin"))
@@ -172,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         nvrtc = "-" if mode == "torch" else "/".join(str(x["nvrtc_compiles"]) for x in samples[mode])
         print(f"{LABELS[mode]:38} {s['median'] * 1e3:10.1f} {s['min'] * 1e3:9.1f} {s['max'] * 1e3:9.1f} "
               f"{second[mode] * 1e3:12.3f} {nvrtc:>15}")
+    loaded = [s.get("native_loaded") for mode in MODES if mode != "torch" for s in samples[mode]]
+    print(f"native extension loaded in {sum(bool(x) for x in loaded)} of {len(loaded)} autosoft processes"
+          f"{'' if args.native else ' (without --native none is given)'}")
     warm_cupy = sum(s["cupy_imported"] for s in samples["warm"])  # warm+cupy imports it on purpose
     ok = warm_compiles == 0 and warm_store_compiles == 0 and warm_cupy == 0
     print(f"warm store imported CuPy: {'no' if warm_cupy == 0 else f'YES ({warm_cupy} processes)'}")
