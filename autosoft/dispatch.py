@@ -274,7 +274,12 @@ def _stream_capturing() -> bool:
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return True
     cupy = sys.modules.get("cupy")
-    return cupy is not None and bool(cupy.cuda.get_current_stream().is_capturing())
+    if cupy is None:
+        return False
+    try:
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+    except cupy.cuda.runtime.CUDARuntimeError:  # no device or driver to ask: nothing is capturing
+        return False
 
 
 def _give_way(choice: Choice, exc: RuntimeError, instead: Choice) -> None:

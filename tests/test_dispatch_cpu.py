@@ -616,6 +616,16 @@ def test_inside_a_capture_a_kernel_never_verified_fails_with_the_remedy(loading,
     assert dict(Dispatcher().loaded(SMALL, 0).variant.params) == NEAREST, "after the capture, the race runs"
 
 
+def test_without_a_device_to_ask_nothing_is_capturing():
+    """Whether a capture is under way is asked of torch and CuPy; where CuPy has no driver or device
+    to ask (this machine), the answer is no, not CuPy's error: the first call of an untuned shape
+    goes on to its check."""
+    pytest.importorskip("cupy")
+    import cupy  # noqa: F401 - in sys.modules, as a CuPy program has it
+
+    assert dispatch._stream_capturing() is False
+
+
 def test_the_pick_must_beat_the_nearest_entry_by_the_margin_to_serve(loading, cache_dir, monkeypatch):
     _store_selector(cache_dir)
     _race_times(monkeypatch, LONG, slower=1.0 + dispatch.RACE_MARGIN / 2)  # faster, but within the noise
