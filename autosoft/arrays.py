@@ -329,13 +329,18 @@ def torch_loaded(problem: Problem, device: int) -> Any:
         return DISPATCHER.loaded(problem, device, load_for_torch)
 
 
+def torch_current_stream(torch: Any) -> Callable[[int], int]:
+    """device -> torch's current stream on it, as the raw handle, without building a torch Stream
+    object (Triton reads it the same way)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
 class _TorchArrays(_Framework):
     def __init__(self, torch: Any) -> None:
         self.torch = torch
         self._dtypes = {v: getattr(torch, v) for v in (*TORCH_NAMES.values(), "int32")}  # int32: index outputs
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        # the raw handle without building a torch Stream object (Triton reads it the same way)
-        self.stream = raw if raw else (lambda device: torch.cuda.current_stream(device).cuda_stream)
+        self.stream = torch_current_stream(torch)
 
     def loaded(self, problem: Problem, device: int) -> Any:
         return torch_loaded(problem, device)

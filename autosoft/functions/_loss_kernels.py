@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 from .. import driver
+from ..arrays import torch_current_stream
 from ..compile import compile_source, source_digest
 from ..errors import UserError
 from ..kernel_store import default_store
@@ -139,12 +140,6 @@ def _launch(device: int, kernel: str, blocks: int, threads: int, stream: int, *a
                                                                   ctypes.addressof(params), None))
 
 
-def current_stream(torch: Any, device: int) -> int:
-    """torch's current stream on `device`, as the raw handle (no Stream object built)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-
-
 def scale_unless_one(x: Any, factor: Any) -> Any:
     """x *= factor[0] in place unless factor[0] == 1, on torch's current stream; returns x. x: a
     contiguous CUDA torch tensor (float32, float16, bfloat16); factor: a one-element float32
@@ -159,8 +154,8 @@ def scale_unless_one(x: Any, factor: Any) -> Any:
     kernel = f"scale_unless_one_{dtype}"
     _function(device, kernel)
     blocks = min(_BLOCKS[device], -(-x.numel() // THREADS))
-    _launch(device, kernel, blocks, THREADS, current_stream(torch, device), ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_void_p(factor.data_ptr()), ctypes.c_longlong(x.numel()))
+    _launch(device, kernel, blocks, THREADS, torch_current_stream(torch)(device),
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(factor.data_ptr()), ctypes.c_longlong(x.numel()))
     return x
 
 
@@ -173,7 +168,7 @@ def mean_scale(target: Any, ignore_index: int) -> Any:
         raise ValueError("mean_scale: target must be a contiguous int64 or int32 tensor")
     scale = torch.empty(1, dtype=torch.float32, device=target.device)
     device = target.get_device()
-    _launch(device, kernel, 1, REDUCE_THREADS, current_stream(torch, device), ctypes.c_void_p(target.data_ptr()),
+    _launch(device, kernel, 1, REDUCE_THREADS, torch_current_stream(torch)(device), ctypes.c_void_p(target.data_ptr()),
             ctypes.c_longlong(target.numel()), ctypes.c_longlong(ignore_index), ctypes.c_void_p(scale.data_ptr()))
     return scale
 
@@ -187,6 +182,7 @@ def scaled_sum(loss: Any, scale: Any) -> Any:
         raise ValueError("scaled_sum: loss must be contiguous float32 and scale one float32 on its device")
     out = torch.empty((), dtype=torch.float32, device=loss.device)
     device = loss.get_device()
-    _launch(device, "scaled_sum", 1, REDUCE_THREADS, current_stream(torch, device), ctypes.c_void_p(loss.data_ptr()),
-            ctypes.c_longlong(loss.numel()), ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+    _launch(device, "scaled_sum", 1, REDUCE_THREADS, torch_current_stream(torch)(device),
+            ctypes.c_void_p(loss.data_ptr()), ctypes.c_longlong(loss.numel()), ctypes.c_void_p(scale.data_ptr()),
+            ctypes.c_void_p(out.data_ptr()))
     return out

@@ -10,13 +10,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import torch_loaded
+from ..arrays import torch_current_stream, torch_loaded
 from ..dispatch import DISPATCHER
 from ..families._rows import pow2_ceil
 from ..families.base import OptionValue, Problem
 from ..families.cross_entropy import _KERNEL_BUFFERS, CROSS_ENTROPY, SCALARS
-from ._loss_kernels import current_stream as _stream, mean_scale as _mean_scale, \
-    scale_unless_one as _scale_unless_one, scaled_sum as _scaled_sum
+from ._loss_kernels import mean_scale as _mean_scale, scale_unless_one as _scale_unless_one, \
+    scaled_sum as _scaled_sum
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "default_chunk"]
 
@@ -117,8 +117,8 @@ def _forward(logits2d: Any, target1d: Any, scale: Any, ignore_index: int, eps: f
     lse = torch.empty(m, dtype=torch.float32, device=logits2d.device)
     grad = None if loss_only else logits2d if inplace else torch.empty_like(logits2d)
     launch(logits2d.data_ptr(), target1d.data_ptr(), scale.data_ptr(), 0 if grad is None else grad.data_ptr(),
-           loss.data_ptr(),
-           lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z), _stream(torch, device))
+           loss.data_ptr(), lse.data_ptr(), np.int64(ignore_index), np.float32(eps), np.float32(z),
+           torch_current_stream(torch)(device))
     return loss, lse, grad
 
 
