@@ -147,10 +147,9 @@ class WgmmaEngine(Engine):
                 # 16x16x512x64 47.2 -> 42.2 us; 4x16x1024x64 38.9 -> 33.6 us with the tiles
                 # ordered longest first across heads, which 256 heads lose: 44.8 us)
                 short.update(persistent=True, queue=True, lpt=b * h <= 64)
-            p = self._point({**base, **short})
-            for point in (p, self._point({**p, **_NARROW})):
-                if self.is_valid(problem, target, point):
-                    return point
+            found = self._first_valid(problem, target, self._point({**base, **short}))
+            if found is not None:
+                return found
         wide = d == 64 and n > 96  # three consumer warpgroups
         # causal with few heads: the tail of light tiles weighs, so order longest first across heads
         # (1x32x4096x128 causal with 8 KV heads: 7 % faster; with 64 or 256 heads 1 to 3 % slower)
@@ -161,8 +160,13 @@ class WgmmaEngine(Engine):
                          "lpt": "causal" in problem.flags and b * h <= 32,
                          "chain": not wide and bool(base["persistent"])})
         # where two Q buffers do not fit beside the K/V ring (D = 256), one block per tile
-        for point in (p, self._point({**p, "persistent": False, "chain": False})):
-            for tiles in (point, self._point({**point, **_NARROW})):
+        return self._first_valid(problem, target, p, self._point({**p, "persistent": False, "chain": False}))
+
+    def _first_valid(self, problem: Problem, target: Target, *points: Mapping[str, ParamValue]
+                     ) -> dict[str, ParamValue] | None:
+        """The first valid of `points`, each tried as it is, then with 64-key tiles (_NARROW)."""
+        for point in points:
+            for tiles in (dict(point), self._point({**point, **_NARROW})):
                 if self.is_valid(problem, target, tiles):
                     return tiles
         return None
